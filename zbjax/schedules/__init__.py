@@ -1,0 +1,14 @@
+"""Pipeline schedules as plain data: build, validate, simulate and draw (imports no JAX)."""
+
+from zbjax.schedules.ir import KINDS as KINDS
+from zbjax.schedules.ir import Action as Action
+from zbjax.schedules.ir import Costs as Costs
+from zbjax.schedules.ir import Schedule as Schedule
+from zbjax.schedules.ir import SimResult as SimResult
+from zbjax.schedules.ir import chain_edges as chain_edges
+from zbjax.schedules.ir import parse_actions as parse_actions
+from zbjax.schedules.simulate import backward_kinds as backward_kinds
+from zbjax.schedules.simulate import dependencies as dependencies
+from zbjax.schedules.simulate import memory_delta as memory_delta
+from zbjax.schedules.simulate import peak_memory as peak_memory
+from zbjax.schedules.simulate import simulate as simulate

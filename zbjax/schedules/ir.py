@@ -1,0 +1,220 @@
+"""Schedules as plain data: actions, schedules, costs and simulation results (no JAX here).
+
+An action is (kind, stage, microbatch) with the compact text form ``"{stage}{kind}{microbatch}"``,
+e.g. ``"2F0"`` (stage 2, forward, microbatch 0) or ``"3BW5"`` (stage 3, fused backward,
+microbatch 5). A schedule is a placement (stage -> device), the stage graph's edges (a chain
+unless the model branches) and, per device, the ordered list of actions that device runs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from zbjax.errors import ScheduleError
+
+#: Action kinds: forward, backward for inputs, backward for weights, fused backward (B and W).
+KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
+
+_ACTION_RE = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of pipeline work: ``kind`` of ``stage`` on ``microbatch``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ScheduleError(f"action kind {self.kind!r} is not one of {KINDS}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(
+                f"action {self.kind} has stage {self.stage} and microbatch {self.microbatch}; "
+                "both must be >= 0"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({str(self)!r})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Returns the action written as ``"{stage}{kind}{microbatch}"`` (e.g. ``"2BW0"``)."""
+        match = _ACTION_RE.match(text)
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}; write it as stage, kind, microbatch, "
+                "e.g. '2F0', '1B3', '0W7' or '3BW1'"
+            )
+        stage, kind, microbatch = match.groups()
+        return cls(kind, int(stage), int(microbatch))
+
+
+def chain_edges(num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Returns the edges of the chain 0 -> 1 -> ... -> num_stages - 1."""
+    return tuple((s, s + 1) for s in range(num_stages - 1))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Placement of stages on devices plus each device's ordered actions.
+
+    ``placement[s]`` is the device that runs stage ``s``; ``actions[d]`` is device ``d``'s
+    program, run in order. ``edges`` are the stage graph's (src, dst) pairs: a chain unless the
+    model branches (fan-out: several successors; fan-in: several predecessors). ``mem_limit``
+    (in M_B units, per device) is checked by ``validate`` when set; ``w_mem`` is the part of
+    M_B that W keeps after B (F adds 1, B frees 1 - w_mem, W frees w_mem, BW frees 1).
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    edges: tuple[tuple[int, int], ...] = None  # type: ignore[assignment]
+    mem_limit: float | None = None
+    w_mem: float = 0.5
+    stage_names: tuple[str, ...] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", tuple(int(d) for d in self.placement))
+        object.__setattr__(self, "actions", tuple(tuple(device) for device in self.actions))
+        if self.edges is None:
+            object.__setattr__(self, "edges", chain_edges(self.num_stages))
+        else:
+            object.__setattr__(self, "edges", tuple((int(a), int(b)) for a, b in self.edges))
+        if len(self.placement) != self.num_stages:
+            raise ScheduleError(
+                f"placement has {len(self.placement)} entries but num_stages is "
+                f"{self.num_stages}; give one device per stage"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        """Returns the number of pipeline devices (rows of ``actions``)."""
+        return len(self.actions)
+
+    def stages_on(self, device: int) -> tuple[int, ...]:
+        """Returns the stages placed on ``device``, in increasing order."""
+        return tuple(s for s, d in enumerate(self.placement) if d == device)
+
+    def predecessors(self, stage: int) -> tuple[int, ...]:
+        """Returns the stages whose outputs ``stage`` reads."""
+        return tuple(a for a, b in self.edges if b == stage)
+
+    def successors(self, stage: int) -> tuple[int, ...]:
+        """Returns the stages that read ``stage``'s outputs."""
+        return tuple(b for a, b in self.edges if a == stage)
+
+    def all_actions(self) -> Iterable[tuple[int, int, Action]]:
+        """Yields (device, position, action) for every action of the schedule."""
+        for device, program in enumerate(self.actions):
+            for position, action in enumerate(program):
+                yield device, position, action
+
+    def to_text(self) -> str:
+        """Returns one line per device: ``"d0: 0F0 0F1 0B0 ..."``."""
+        return "\n".join(
+            f"d{device}: " + " ".join(str(a) for a in program)
+            for device, program in enumerate(self.actions)
+        )
+
+    def with_actions(self, actions: Sequence[Sequence[Action]]) -> Schedule:
+        """Returns a copy of this schedule with other per-device action lists."""
+        return Schedule(
+            name=self.name,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            placement=self.placement,
+            actions=tuple(tuple(p) for p in actions),
+            edges=self.edges,
+            mem_limit=self.mem_limit,
+            w_mem=self.w_mem,
+            stage_names=self.stage_names,
+        )
+
+
+def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
+    """Returns per-device action lists from ``Schedule.to_text()`` output."""
+    rows = []
+    for line in text.strip().splitlines():
+        if not line.strip():
+            continue
+        _, _, body = line.partition(":") if ":" in line else ("", "", line)
+        rows.append(tuple(Action.parse(tok) for tok in body.split()))
+    return tuple(rows)
+
+
+def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tuple[float, ...]:
+    if isinstance(value, int | float):
+        values = (float(value),) * num_stages
+    else:
+        values = tuple(float(v) for v in value)
+        if len(values) != num_stages:
+            raise ScheduleError(
+                f"costs.{name} has {len(values)} entries but there are {num_stages} stages; "
+                f"give one cost per stage or a single number"
+            )
+    for v in values:
+        if not v >= 0 or v != v:
+            raise ScheduleError(f"costs.{name} = {v} is negative or NaN; costs must be >= 0")
+    return values
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of F, B and W per stage and microbatch (scalars or per-stage lists), and comm.
+
+    ``comm`` is the delay between an action ending on one device and a dependent action on
+    another device being able to start. BW (fused backward) costs ``b + w``.
+    """
+
+    f: float | tuple[float, ...] = 1.0
+    b: float | tuple[float, ...] = 1.0
+    w: float | tuple[float, ...] = 1.0
+    comm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float):
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+        if not self.comm >= 0:
+            raise ScheduleError(f"costs.comm = {self.comm} is negative; it must be >= 0")
+
+    def per_stage(self, num_stages: int) -> tuple[tuple[float, ...], ...]:
+        """Returns (f, b, w) as per-stage tuples, checking lengths and signs."""
+        return (
+            _per_stage("f", self.f, num_stages),
+            _per_stage("b", self.b, num_stages),
+            _per_stage("w", self.w, num_stages),
+        )
+
+    def of(self, action: Action, num_stages: int) -> float:
+        """Returns the duration of ``action``."""
+        f, b, w = self.per_stage(num_stages)
+        s = action.stage
+        return {"F": f[s], "B": b[s], "W": w[s], "BW": b[s] + w[s]}[action.kind]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timing and memory of a simulated schedule.
+
+    ``start``/``end`` map each action to its times; ``bubble_rate`` is
+    1 - (total compute time of all devices) / (num_devices * makespan); ``peak_memory`` is
+    per device, in M_B units.
+    """
+
+    start: dict[Action, float]
+    end: dict[Action, float]
+    makespan: float
+    bubble_rate: float
+    peak_memory: tuple[float, ...]
+    busy: tuple[float, ...]

@@ -1,0 +1,128 @@
+"""Event simulation of a schedule: start/end of every action, makespan, bubble rate, memory."""
+
+from __future__ import annotations
+
+from zbjax.errors import ScheduleError
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult
+
+
+def backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
+    """Returns, per (stage, microbatch), whether the schedule runs its backward as B or BW."""
+    return {
+        (a.stage, a.microbatch): a.kind
+        for _, _, a in schedule.all_actions()
+        if a.kind in ("B", "BW")
+    }
+
+
+def dependencies(
+    schedule: Schedule,
+    action: Action,
+    backward_kind: dict[tuple[int, int], str] | None = None,
+) -> tuple[Action, ...]:
+    """Returns the actions that must end before ``action`` can start (data dependencies).
+
+    F(s, i) needs F(p, i) of every predecessor p; B(s, i) (or BW) needs F(s, i) and the backward
+    of every successor (B or BW, as ``backward_kind`` says; computed from the schedule when not
+    given); W(s, i) needs B(s, i).
+    """
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return tuple(Action("F", p, i) for p in schedule.predecessors(s))
+    if action.kind == "W":
+        return (Action("B", s, i),)
+    if backward_kind is None:
+        backward_kind = backward_kinds(schedule)
+    return (Action("F", s, i),) + tuple(
+        Action(backward_kind.get((succ, i), "B"), succ, i) for succ in schedule.successors(s)
+    )
+
+
+def memory_delta(action: Action, w_mem: float) -> float:
+    """Returns the change in activation memory (M_B units) that ``action`` causes."""
+    return {"F": 1.0, "B": -(1.0 - w_mem), "W": -w_mem, "BW": -1.0}[action.kind]
+
+
+def peak_memory(schedule: Schedule) -> tuple[float, ...]:
+    """Returns each device's peak activation memory (M_B units) over its action order."""
+    peaks = []
+    for program in schedule.actions:
+        level = peak = 0.0
+        for action in program:
+            level += memory_delta(action, schedule.w_mem)
+            peak = max(peak, level)
+        peaks.append(round(peak, 9))
+    return tuple(peaks)
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Returns the timing of ``schedule`` run with ``costs`` (default: F = B = W = 1, no comm).
+
+    Each device runs its actions in order; an action starts when its device is free and every
+    dependency has ended (plus ``costs.comm`` when the dependency ran on another device).
+    Raises ``ScheduleError`` when the order deadlocks or a dependency is never scheduled.
+    """
+    costs = costs or Costs()
+    f, b, w = costs.per_stage(schedule.num_stages)
+    duration = {"F": f, "B": b, "W": w}
+    placement = schedule.placement
+    scheduled = {a for _, _, a in schedule.all_actions()}
+    kinds = backward_kinds(schedule)
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    free = [0.0] * schedule.num_devices
+    cursor = [0] * schedule.num_devices
+    remaining = sum(len(p) for p in schedule.actions)
+    while remaining:
+        progressed = False
+        for device, program in enumerate(schedule.actions):
+            while cursor[device] < len(program):
+                action = program[cursor[device]]
+                ready = free[device]
+                blocked = False
+                for dep in dependencies(schedule, action, kinds):
+                    if dep not in end:
+                        if dep not in scheduled:
+                            raise ScheduleError(
+                                f"dependency rule: {action} on device {device} needs {dep}, "
+                                "which no device runs; add it to the schedule"
+                            )
+                        blocked = True
+                        break
+                    delay = costs.comm if placement[dep.stage] != device else 0.0
+                    ready = max(ready, end[dep] + delay)
+                if blocked:
+                    break
+                s = action.stage
+                if action.kind == "BW":
+                    length = b[s] + w[s]
+                else:
+                    length = duration[action.kind][s]
+                start[action] = ready
+                end[action] = ready + length
+                free[device] = ready + length
+                cursor[device] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = [
+                f"device {d} waits at {program[cursor[d]]}"
+                for d, program in enumerate(schedule.actions)
+                if cursor[d] < len(program)
+            ]
+            raise ScheduleError(
+                "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
+                "reorder the actions so every dependency can run first"
+            )
+    makespan = max(end.values(), default=0.0)
+    busy = tuple(sum(end[a] - start[a] for a in program) for program in schedule.actions)
+    total = schedule.num_devices * makespan
+    bubble_rate = 1.0 - sum(busy) / total if total > 0 else 0.0
+    return SimResult(
+        start=start,
+        end=end,
+        makespan=makespan,
+        bubble_rate=max(0.0, bubble_rate),
+        peak_memory=peak_memory(schedule),
+        busy=busy,
+    )

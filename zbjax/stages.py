@@ -1,0 +1,123 @@
+"""The values that pass from the compiler front half to the lowering: stage graph and programs.
+
+Data only, no logic. ``partition`` builds a ``StageGraph`` from a traced loss function;
+``split`` turns each ``Stage`` into a ``StageProgram`` (F, B, W and fused BW jaxprs); ``lower``
+and the sequential executor consume both. Jaxprs here are ``jax.extend.core.ClosedJaxpr``.
+
+Calling conventions (all flat tuples of arrays, in this order):
+
+- ``Stage.jaxpr``: (params read, batch leaves read, inputs) -> outputs.
+  *params read* are the leaves ``param_leaves`` of the flattened params pytree; *batch leaves
+  read* are ``batch_leaves`` of the flattened (per-microbatch) batch; *inputs* are the values of
+  each in-edge, edge after edge in ``in_edges`` order, each edge's ``values`` in order. Outputs
+  are the values of each out-edge in ``out_edges`` order; the loss stage outputs ``(loss,)``
+  (a float32 scalar) and has no out-edges.
+- ``StageProgram.forward``: same inputs as ``Stage.jaxpr`` -> (outputs..., residuals...).
+- ``StageProgram.backward_input`` (B): (residuals..., output cotangents...) ->
+  (input cotangents..., stash...).
+- ``StageProgram.backward_weight`` (W): (stash...) -> (param cotangents...), one per
+  ``param_leaves`` entry.
+- ``StageProgram.backward`` (fused BW): (residuals..., output cotangents...) ->
+  (input cotangents..., param cotangents...).
+
+Cotangents exist only for inexact (floating) values: *output cotangents* are for the outputs
+whose ``Stage.output_differentiable`` flag is set, *input cotangents* for the inputs whose
+``Stage.input_differentiable`` flag is set. The loss stage's single output cotangent is the seed
+(1.0 for one microbatch; the pipeline uses 1/num_microbatches to average).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Activations flowing from stage ``src`` to stage ``dst``, one microbatch's worth."""
+
+    src: int
+    dst: int
+    values: tuple[jax.ShapeDtypeStruct, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One node of the stage graph: a slice of the traced program."""
+
+    index: int
+    name: str
+    jaxpr: Any  # jax.extend.core.ClosedJaxpr
+    param_leaves: tuple[int, ...]
+    batch_leaves: tuple[int, ...]
+    in_edges: tuple[int, ...]
+    out_edges: tuple[int, ...]
+    input_differentiable: tuple[bool, ...]
+    output_differentiable: tuple[bool, ...]
+    cost: float  # estimated forward cost (matmul FLOPs plus bytes moved)
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """Stages (topologically ordered) and the edges between them.
+
+    ``param_avals`` and ``batch_avals`` describe the flattened params and ONE microbatch of the
+    batch; ``params_treedef``/``batch_treedef`` rebuild the user's pytrees. ``tied_params`` lists
+    param leaves read by more than one stage (their gradient is the sum of those stages').
+    """
+
+    stages: tuple[Stage, ...]
+    edges: tuple[Edge, ...]
+    loss_stage: int
+    params_treedef: Any
+    batch_treedef: Any
+    param_avals: tuple[jax.ShapeDtypeStruct, ...]
+    batch_avals: tuple[jax.ShapeDtypeStruct, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def edge_pairs(self) -> tuple[tuple[int, int], ...]:
+        """Returns the (src, dst) stage pairs, deduplicated, for ``Schedule.edges``."""
+        return tuple(dict.fromkeys((e.src, e.dst) for e in self.edges))
+
+    @property
+    def tied_params(self) -> tuple[int, ...]:
+        counts: dict[int, int] = {}
+        for stage in self.stages:
+            for leaf in stage.param_leaves:
+                counts[leaf] = counts.get(leaf, 0) + 1
+        return tuple(sorted(leaf for leaf, n in counts.items() if n > 1))
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """A stage's forward, split backward (B, W) and fused backward, without recomputation.
+
+    The matmul FLOPs of ``backward_input`` plus ``backward_weight`` equal those of
+    ``backward``. Costs are estimates from the jaxprs (matmul FLOPs plus bytes moved); byte
+    counts are per microbatch: ``activation_bytes`` is M_B (residuals kept from F until B),
+    ``stash_bytes`` is M_W (kept from B until W).
+    """
+
+    stage: Stage
+    forward: Any  # ClosedJaxpr
+    backward_input: Any  # ClosedJaxpr
+    backward_weight: Any  # ClosedJaxpr
+    backward: Any  # ClosedJaxpr
+    residual_avals: tuple[jax.ShapeDtypeStruct, ...]
+    stash_avals: tuple[jax.ShapeDtypeStruct, ...]
+    cost_forward: float
+    cost_backward_input: float
+    cost_backward_weight: float
+    flops_forward: int
+    flops_backward_input: int
+    flops_backward_weight: int
+    flops_backward: int
+    param_bytes: int
+    activation_bytes: int
+    stash_bytes: int
