@@ -5,5 +5,6 @@ from zbjax.errors import PartitionError as PartitionError
 from zbjax.errors import PipelineError as PipelineError
 from zbjax.errors import ScheduleError as ScheduleError
 from zbjax.errors import ZbjaxError as ZbjaxError
+from zbjax.markers import stage_boundary as stage_boundary
 
 __version__ = "0.1.0"
