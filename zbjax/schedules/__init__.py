@@ -7,6 +7,10 @@ from zbjax.schedules.ir import Schedule as Schedule
 from zbjax.schedules.ir import SimResult as SimResult
 from zbjax.schedules.ir import chain_edges as chain_edges
 from zbjax.schedules.ir import parse_actions as parse_actions
+from zbjax.schedules.plot import chrome_trace as chrome_trace
+from zbjax.schedules.plot import gantt as gantt
+from zbjax.schedules.plot import text_grid as text_grid
+from zbjax.schedules.plot import write_trace as write_trace
 from zbjax.schedules.simulate import backward_kinds as backward_kinds
 from zbjax.schedules.simulate import dependencies as dependencies
 from zbjax.schedules.simulate import memory_delta as memory_delta
