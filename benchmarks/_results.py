@@ -1,0 +1,47 @@
+"""Writes one named section of ``benchmarks/RESULTS.md`` so several scripts can share the file.
+
+A section is the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->``; writing it
+again replaces it in place and leaves every other section alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+RESULTS_PATH = Path(__file__).resolve().with_name("RESULTS.md")
+
+_HEADER = (
+    "# zbjax benchmark results\n\n"
+    "Each section below is written by one script in `benchmarks/`; the section says which. "
+    "Rerun that script to refresh it.\n"
+)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ValueError(
+            f"section name {name!r} must be letters, digits, '_', '.' or '-' (it goes into an "
+            "HTML comment marker)"
+        )
+    return f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+
+
+def write_section(name: str, body: str, path: str | Path = RESULTS_PATH) -> Path:
+    """Returns ``path`` after replacing (or appending) its section ``name`` with ``body``."""
+    path = Path(path)
+    begin, end = _markers(name)
+    block = f"{begin}\n{body.strip()}\n{end}"
+    text = path.read_text() if path.exists() else _HEADER
+    start = text.find(begin)
+    stop = text.find(end, start) if start >= 0 else -1
+    if start >= 0 and stop >= 0:
+        text = text[:start] + block + text[stop + len(end) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    # Write a sibling file and rename it, so a reader never sees half a file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
