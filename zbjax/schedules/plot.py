@@ -204,13 +204,16 @@ def gantt(
                 linewidth=0.3,
                 hatch=hatch or None,
             )
+            # The longest label that fits: stage and microbatch, else the microbatch alone
+            # (the shade or hatch still tells the stage).
+            labels = [str(action.microbatch)]
             if dag:
-                label = f"{stage_label(schedule, action.stage)}:{action.microbatch}"
+                labels.insert(0, f"{stage_label(schedule, action.stage)}:{action.microbatch}")
             elif several:
-                label = f"s{action.stage}:{action.microbatch}"
-            else:
-                label = str(action.microbatch)
-            if length * px_per_unit >= (len(label) + 0.5) * char_px:
+                labels.insert(0, f"s{action.stage}:{action.microbatch}")
+            fitting = [t for t in labels if length * px_per_unit >= (len(t) + 0.5) * char_px]
+            if fitting:
+                label = fitting[0]
                 ax.text(
                     start + length / 2,
                     device,
@@ -232,7 +235,11 @@ def gantt(
     handles.sort(key=lambda h: list(names.values()).index(h.get_label()))
     if several:
         handles.append(
-            Patch(facecolor=_lighten("#808080", 0.45), edgecolor="black", label="later stage")
+            Patch(
+                facecolor=_lighten("#808080", 0.45),
+                edgecolor="black",
+                label="later stage on device",
+            )
         )
     if dag:
         handles += [
