@@ -1,0 +1,136 @@
+"""The ``zbjax`` command line: ``zbjax schedule NAME -p P -m M ...``."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zbjax.cli import main, parse_costs
+from zbjax.schedules import Action
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_json(capsys, *argv: str) -> dict:
+    """Returns the JSON object ``zbjax schedule ... --json`` prints."""
+    assert main(["schedule", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def test_json_output_describes_schedule_and_simulation(capsys):
+    report = run_json(capsys, "zb-h1", "-p", "4", "-m", "8")
+    for key in (
+        "name",
+        "num_stages",
+        "num_devices",
+        "num_microbatches",
+        "makespan",
+        "bubble_rate",
+        "peak_memory",
+        "placement",
+        "actions",
+    ):
+        assert key in report
+    assert (report["name"], report["num_stages"], report["num_devices"]) == ("zb-h1", 4, 4)
+    assert report["num_microbatches"] == 8
+    assert len(report["peak_memory"]) == len(report["actions"]) == 4
+    actions = [Action.parse(a) for program in report["actions"] for a in program]
+    assert sorted((a.kind, a.stage, a.microbatch) for a in actions) == sorted(
+        (kind, s, i) for kind in "FBW" for s in range(4) for i in range(8)
+    )
+
+
+def test_zb_h1_bubble_equals_p_minus_1_over_3m_plus_p_minus_1(capsys):
+    report = run_json(capsys, "zb-h1", "-p", "4", "-m", "8")
+    assert report["bubble_rate"] == pytest.approx(3 / 27)
+    assert report["makespan"] == pytest.approx(27)
+
+
+def test_stage_count_follows_from_the_schedule_and_stages_overrides_it(capsys):
+    assert run_json(capsys, "zb-v", "-p", "2", "-m", "4")["num_stages"] == 4
+    assert run_json(capsys, "interleaved-1f1b", "-p", "2", "-m", "4")["num_stages"] == 4
+    report = run_json(capsys, "interleaved-1f1b", "-p", "2", "-m", "4", "--stages", "6")
+    assert (report["num_stages"], report["num_devices"]) == (6, 2)
+
+
+def test_costs_and_memory_options_reach_the_schedule(capsys):
+    report = run_json(
+        capsys, "1f1b", "-p", "2", "-m", "2", "--costs", "2,3,1,0.5", "--w-mem", "0.25"
+    )
+    assert report["costs"] == {"f": 2.0, "b": 3.0, "w": 1.0, "comm": 0.5}
+    assert report["w_mem"] == 0.25
+    report = run_json(capsys, "zb-auto", "-p", "2", "-m", "4", "--mem-limit", "3")
+    assert max(report["peak_memory"]) <= 3
+
+
+def test_text_output_prints_grid_makespan_bubble_rate_and_peak_memory(capsys):
+    assert main(["schedule", "zb-h1", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("d")] == [
+        "d0",
+        "d1",
+        "d2",
+        "d3",
+    ]
+    assert "makespan     27" in out
+    assert "bubble rate  0.1111" in out
+    assert "peak memory  " in out
+
+
+def test_plot_writes_a_png_and_trace_writes_one_event_per_action(tmp_path, capsys):
+    png, trace = tmp_path / "s.png", tmp_path / "s.json"
+    argv = ["schedule", "zb-h1", "-p", "2", "-m", "4", "--plot", str(png), "--trace", str(trace)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 3 * 2 * 4
+    assert {e["tid"] for e in events} == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["zb-h1", "-p", "0", "-m", "8"], "-p 0"),
+        (["zb-h1", "-p", "4", "-m", "-1"], "-m -1"),
+        (["zb-h1", "-p", "4", "-m", "8", "--costs", "1,2"], "'1,2'"),
+        (["zb-h1", "-p", "4", "-m", "8", "--costs", "1,x,1,0"], "'x'"),
+        (["zb-h1", "-p", "4", "-m", "8", "--costs", "1,-2,1,0"], "-2"),
+        (["zb-h9", "-p", "4", "-m", "8"], "zb-h9"),
+        (["zb-auto", "-p", "4", "-m", "8", "--mem-limit", "0.5"], "0.5"),
+        (["zb-v", "-p", "2", "-m", "4", "--stages", "3"], "3"),
+        (["zb-h1", "-p", "4", "-m", "8", "--w-mem", "1.5"], "1.5"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_value_without_traceback(argv, named, capsys):
+    assert main(["schedule", *argv]) == 2
+    captured = capsys.readouterr()
+    assert named in captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_missing_option_is_an_argparse_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["schedule", "zb-h1", "-p", "4"])
+    assert exit_info.value.code == 2
+    assert "-m" in capsys.readouterr().err
+
+
+def test_parse_costs_reads_three_or_four_numbers():
+    assert parse_costs("1,2,0.5,0.1") == (1.0, 2.0, 0.5, 0.1)
+    assert parse_costs("1, 2, 3") == (1.0, 2.0, 3.0, 0.0)
+
+
+def test_console_script_exits_2_with_a_message_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "zbjax.cli", "schedule", "zb-h9", "-p", "2", "-m", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "zb-h9" in proc.stderr
+    assert "Traceback" not in proc.stderr

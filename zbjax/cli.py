@@ -1,0 +1,217 @@
+"""The ``zbjax`` command line: build, simulate and draw pipeline schedules.
+
+Each subcommand is one ``_cmd_*`` function taking the parsed arguments and returning the exit
+status, plus one ``_add_*_parser`` function that declares its arguments; ``SUBCOMMANDS`` lists
+the parser functions. Wrong input (sizes, costs, names, limits) prints one line on stderr naming
+the value and exits with status 2, like argparse's own usage errors; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from zbjax.errors import ZbjaxError
+
+#: Schedules that put several model stages (chunks) on each device: stages per device.
+STAGES_PER_DEVICE: dict[str, int] = {"zb-v": 2, "interleaved-1f1b": 2}
+
+USAGE_ERROR = 2
+
+
+class UsageError(ZbjaxError, ValueError):
+    """A command-line value is wrong; the message names it and says what to give instead."""
+
+
+def parse_costs(text: str) -> tuple[float, float, float, float]:
+    """Returns (f, b, w, comm) from ``"F,B,W,COMM"`` (``COMM`` may be left out: 0)."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (3, 4):
+        raise UsageError(
+            f"--costs {text!r} has {len(parts)} values; give F,B,W,COMM as 4 comma-separated "
+            "numbers, e.g. --costs 1,1,1,0"
+        )
+    values = []
+    for name, part in zip(("F", "B", "W", "COMM"), parts, strict=False):
+        try:
+            value = float(part)
+        except ValueError:
+            raise UsageError(
+                f"--costs {text!r}: {name} = {part!r} is not a number; give F,B,W,COMM, "
+                "e.g. --costs 1,1,1,0"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(
+                f"--costs {text!r}: {name} = {part} is negative or not finite; costs must be "
+                "finite numbers >= 0"
+            )
+        values.append(value)
+    if len(values) == 3:
+        values.append(0.0)
+    if values[0] + values[1] + values[2] == 0:
+        raise UsageError(f"--costs {text!r}: F, B and W are all 0; give at least one time > 0")
+    return (values[0], values[1], values[2], values[3])
+
+
+def default_num_stages(name: str, num_devices: int) -> int:
+    """Returns the stage count ``name`` implies on ``num_devices`` devices (2p for zb-v and
+    interleaved-1f1b, else p)."""
+    return STAGES_PER_DEVICE.get(name, 1) * num_devices
+
+
+def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
+    """Returns the JSON-ready description of a simulated schedule that ``--json`` prints."""
+    return {
+        "name": schedule.name,
+        "num_stages": schedule.num_stages,
+        "num_devices": schedule.num_devices,
+        "num_microbatches": schedule.num_microbatches,
+        "makespan": result.makespan,
+        "bubble_rate": result.bubble_rate,
+        "peak_memory": list(result.peak_memory),
+        "busy": list(result.busy),
+        "placement": list(schedule.placement),
+        "edges": [list(e) for e in schedule.edges],
+        "mem_limit": schedule.mem_limit,
+        "w_mem": schedule.w_mem,
+        "costs": {"f": costs.f, "b": costs.b, "w": costs.w, "comm": costs.comm},
+        "actions": [[str(a) for a in program] for program in schedule.actions],
+    }
+
+
+def _check_positive(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{flag} {value}: it must be at least 1")
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    """Builds, validates and simulates one schedule; prints it; writes --plot/--trace files."""
+    from zbjax import schedules
+
+    _check_positive("-p", args.p)
+    _check_positive("-m", args.m)
+    _check_positive("--stages", args.stages)
+    if args.mem_limit is not None and not args.mem_limit > 0:
+        raise UsageError(f"--mem-limit {args.mem_limit}: it must be > 0 (in units of M_B)")
+    if not 0 <= args.w_mem <= 1:
+        raise UsageError(f"--w-mem {args.w_mem}: it must lie in [0, 1] (a fraction of M_B)")
+    f, b, w, comm = parse_costs(args.costs) if args.costs else (1.0, 1.0, 1.0, 0.0)
+    costs = schedules.Costs(f=f, b=b, w=w, comm=comm)
+    num_stages = args.stages if args.stages is not None else default_num_stages(args.name, args.p)
+    schedule = schedules.build(
+        args.name,
+        num_stages,
+        args.m,
+        num_devices=args.p,
+        costs=costs,
+        mem_limit=args.mem_limit,
+        w_mem=args.w_mem,
+    )
+    schedules.validate(schedule)
+    result = schedules.simulate(schedule, costs)
+
+    if args.plot:
+        from zbjax.schedules.plot import gantt
+
+        gantt(schedule, costs, path=args.plot)
+    if args.trace:
+        from zbjax.schedules.plot import write_trace
+
+        write_trace(schedule, args.trace, costs)
+
+    if args.json:
+        print(json.dumps(schedule_summary(schedule, result, costs)))
+        return 0
+    from zbjax.schedules.plot import text_grid
+
+    print(
+        f"{schedule.name}: {schedule.num_devices} devices, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatches"
+    )
+    print(text_grid(schedule, result))
+    print(f"makespan     {result.makespan:g}")
+    print(f"bubble rate  {result.bubble_rate:.4f} ({result.bubble_rate:.1%})")
+    peaks = " ".join(f"{m:g}" for m in result.peak_memory)
+    print(f"peak memory  {peaks}  (M_B per device, w_mem={schedule.w_mem:g})")
+    for flag, path in (("gantt chart", args.plot), ("trace", args.trace)):
+        if path:
+            print(f"wrote {flag} to {path}")
+    return 0
+
+
+def _add_schedule_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "schedule",
+        help="build, simulate and draw a pipeline schedule",
+        description=(
+            "Build a pipeline schedule, simulate it and print its grid, makespan, bubble rate "
+            "and peak activation memory per device (in M_B, one microbatch's activation on one "
+            "stage)."
+        ),
+    )
+    parser.add_argument("name", help="schedule name, e.g. gpipe, 1f1b, zb-h1, zb-v, zb-auto")
+    parser.add_argument("-p", type=int, required=True, help="number of pipeline devices")
+    parser.add_argument("-m", type=int, required=True, help="number of microbatches")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="number of model stages (default: p, or 2p for zb-v and interleaved-1f1b)",
+    )
+    parser.add_argument(
+        "--costs",
+        default=None,
+        metavar="F,B,W,COMM",
+        help="time of F, B, W per stage and microbatch, and of a send (default 1,1,1,0)",
+    )
+    parser.add_argument(
+        "--mem-limit", type=float, default=None, help="activation memory limit per device (M_B)"
+    )
+    parser.add_argument(
+        "--w-mem", type=float, default=0.5, help="part of M_B that W keeps after B (default 0.5)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart PNG")
+    parser.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    parser.set_defaults(command=_cmd_schedule)
+
+
+#: One entry per subcommand: a function that adds its parser (and sets ``command``).
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_schedule_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the ``zbjax`` argument parser with every subcommand of ``SUBCOMMANDS``."""
+    parser = argparse.ArgumentParser(
+        prog="zbjax", description="Zero-bubble and graph pipeline parallelism for JAX."
+    )
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", required=True)
+    for add_parser in SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Returns the exit status of running the ``zbjax`` command line on ``argv``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.command(args)
+    except (ZbjaxError, ValueError) as err:
+        print(f"zbjax {args.subcommand}: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    except ImportError as err:
+        print(f"zbjax {args.subcommand}: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        where = f" {err.filename}" if err.filename else ""
+        print(f"zbjax {args.subcommand}: error:{where} {err.strerror or err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
