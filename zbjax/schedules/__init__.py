@@ -1,5 +1,6 @@
 """Pipeline schedules as plain data: build, validate, simulate and draw (imports no JAX)."""
 
+from zbjax.schedules.generators import v_placement as v_placement
 from zbjax.schedules.ir import KINDS as KINDS
 from zbjax.schedules.ir import Action as Action
 from zbjax.schedules.ir import Costs as Costs
@@ -11,8 +12,12 @@ from zbjax.schedules.plot import chrome_trace as chrome_trace
 from zbjax.schedules.plot import gantt as gantt
 from zbjax.schedules.plot import text_grid as text_grid
 from zbjax.schedules.plot import write_trace as write_trace
+from zbjax.schedules.registry import SCHEDULE_NAMES as SCHEDULE_NAMES
+from zbjax.schedules.registry import build as build
 from zbjax.schedules.simulate import backward_kinds as backward_kinds
 from zbjax.schedules.simulate import dependencies as dependencies
 from zbjax.schedules.simulate import memory_delta as memory_delta
 from zbjax.schedules.simulate import peak_memory as peak_memory
 from zbjax.schedules.simulate import simulate as simulate
+from zbjax.schedules.simulate import span_bubble_rate as span_bubble_rate
+from zbjax.schedules.validate import validate as validate

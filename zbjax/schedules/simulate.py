@@ -126,3 +126,18 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
         peak_memory=peak_memory(schedule),
         busy=busy,
     )
+
+
+def span_bubble_rate(schedule: Schedule, result: SimResult) -> float:
+    """Returns the idle fraction inside each device's span, from its first start to last end.
+
+    This is the bubble the Zero Bubble paper reports for ZB-H2 and ZB-V: the F chain's start
+    offset (device d cannot start before d forwards are done) and the matching early finish
+    are left out, since consecutive training steps overlap there.
+    """
+    span = sum(
+        max(result.end[a] for a in program) - min(result.start[a] for a in program)
+        for program in schedule.actions
+        if program
+    )
+    return max(0.0, 1.0 - sum(result.busy) / span) if span > 0 else 0.0

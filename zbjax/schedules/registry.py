@@ -1,0 +1,141 @@
+"""``build``: a schedule by name, checked against its inputs and validated (no JAX here).
+
+Defaults for ``num_devices``: ``num_stages`` for gpipe, 1f1b, zb-h1, zb-h2 and zb-auto;
+``num_stages / 2`` for zb-v (two stages per device, V placement) and for interleaved-1f1b
+(two stages per device, loop placement; pass ``num_devices`` for other ratios).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import numbers
+from typing import Any
+
+from zbjax.errors import ScheduleError
+from zbjax.schedules import generators
+from zbjax.schedules.ir import Costs, Schedule
+from zbjax.schedules.simulate import peak_memory
+from zbjax.schedules.validate import validate
+
+#: Every name ``build`` accepts.
+SCHEDULE_NAMES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "zb-auto",
+)
+
+# Schedules whose construction adapts to a memory limit (the others have a fixed peak).
+_LIMITED = {"zb-h1": generators.zb_h1, "zb-h2": generators.zb_h2, "zb-v": generators.zb_v}
+_FIXED = {
+    "gpipe": generators.gpipe,
+    "1f1b": generators.one_f_one_b,
+    "interleaved-1f1b": generators.interleaved_one_f_one_b,
+}
+
+
+def _check_number(label: str, value: Any, low: float, high: float | None = None) -> float:
+    """Returns ``value`` as a float after checking it is a number in [low, high]."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or value != value:
+        raise ScheduleError(f"{label} = {value!r} is not a number")
+    if value < low or (high is not None and value > high):
+        span = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+        raise ScheduleError(f"{label} = {value!r} is out of range; it must be {span}")
+    return float(value)
+
+
+def _zb_auto(
+    num_stages: int,
+    num_microbatches: int,
+    num_devices: int | None,
+    costs: Costs | None,
+    mem_limit: float | None,
+    w_mem: float,
+    options: dict[str, Any],
+) -> Schedule:
+    """Returns zb-auto's schedule, imported only when asked for (it is a separate module)."""
+    auto = importlib.import_module("zbjax.schedules.auto")
+    devices = num_stages if num_devices is None else num_devices
+    unknown = set(options) - {"edges", "time_limit"}
+    if unknown:
+        raise ScheduleError(
+            f"zb-auto does not take options {sorted(unknown)}; it takes edges and time_limit"
+        )
+    return auto.zb_auto(
+        num_stages, num_microbatches, devices, costs or Costs(), mem_limit, w_mem, **options
+    )
+
+
+def build(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_devices: int | None = None,
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+    w_mem: float = 0.5,
+    **options: Any,
+) -> Schedule:
+    """Returns the validated schedule ``name`` for the given sizes, costs and memory limit.
+
+    ``mem_limit`` (M_B per device, when given) is recorded on the schedule; zb-h1, zb-h2 and
+    zb-v shrink their warm-up to fit it, the fixed schedules raise ScheduleError when their
+    peak is above it. ``costs`` is used by zb-auto and checked for every name; the fixed
+    schedules are the papers' handcrafted orders for equal costs.
+    """
+    if name not in SCHEDULE_NAMES:
+        raise ScheduleError(
+            f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULE_NAMES)}"
+        )
+    for label, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name}: {label} = {value!r}; it must be an integer >= 1")
+    if num_devices is not None and (
+        not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1
+    ):
+        raise ScheduleError(f"{name}: num_devices = {num_devices!r}; it must be an integer >= 1")
+    w_mem = _check_number("w_mem", w_mem, 0.0, 1.0)
+    if costs is not None:
+        if not isinstance(costs, Costs):
+            raise ScheduleError(
+                f"costs = {costs!r} is not a zbjax.schedules.Costs; pass "
+                "Costs(f=..., b=..., w=..., comm=...)"
+            )
+        costs.per_stage(num_stages)  # raises on wrong lengths and negative costs
+    if mem_limit is not None:
+        mem_limit = _check_number("mem_limit", mem_limit, 0.0)
+        if mem_limit < 1.0:
+            raise ScheduleError(
+                f"mem_limit = {mem_limit:g} M_B is below 1 M_B, the activation of the single "
+                "forward every schedule must hold; raise mem_limit to at least 1"
+            )
+    if name == "zb-auto":
+        schedule = _zb_auto(
+            num_stages, num_microbatches, num_devices, costs, mem_limit, w_mem, options
+        )
+    else:
+        if options:
+            raise ScheduleError(f"{name} takes no options, but got {sorted(options)}")
+        if name in _LIMITED:
+            schedule = _LIMITED[name](
+                num_stages, num_microbatches, num_devices, w_mem=w_mem, mem_limit=mem_limit
+            )
+        else:
+            schedule = _FIXED[name](num_stages, num_microbatches, num_devices)
+            if mem_limit is not None:
+                needed = max(peak_memory(schedule))
+                if needed > mem_limit + 1e-9:
+                    raise ScheduleError(
+                        f"{name} with {num_stages} stages and {num_microbatches} microbatches "
+                        f"needs {needed:g} M_B per device, above mem_limit = {mem_limit:g}; "
+                        f"raise mem_limit to {needed:g}, use fewer microbatches (gpipe) or "
+                        "choose a schedule that fits the limit (1f1b, zb-h1, zb-auto)"
+                    )
+    schedule = dataclasses.replace(
+        schedule, w_mem=w_mem, mem_limit=mem_limit if mem_limit is not None else None
+    )
+    return validate(schedule)
