@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbjax.schedules import Action, Costs, build, simulate, span_bubble_rate, v_placement
+from zbjax.schedules import Costs, build, parse_actions, simulate, span_bubble_rate, v_placement
 from zbjax.schedules.generators import (
     gpipe,
     interleaved_one_f_one_b,
@@ -113,5 +113,5 @@ def test_fused_schedules_use_bw_and_zero_bubble_schedules_use_b_and_w():
 
 def test_1f1b_device_0_warms_up_with_p_minus_1_forwards():
     s = one_f_one_b(4, 8)
-    assert s.actions[0][:5] == tuple(Action.parse(t) for t in "0F0 0F1 0F2 0F3 0BW0".split())
-    assert s.actions[3][:3] == tuple(Action.parse(t) for t in "3F0 3BW0 3F1".split())
+    assert s.actions[0][:5] == parse_actions("0F0 0F1 0F2 0F3 0BW0")[0]
+    assert s.actions[3][:3] == parse_actions("3F0 3BW0 3F1")[0]
