@@ -18,10 +18,47 @@ The rules, each named in the ``ScheduleError`` it raises:
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules.ir import Action, Schedule
-from zbjax.schedules.simulate import backward_kinds, dependencies, memory_delta
+from zbjax.schedules.simulate import backward_kinds, memory_delta
+
+#: An action as a plain tuple (kind, stage, microbatch): hashing it is cheap.
+Key = tuple[str, int, int]
+#: Returns the actions one action waits for (the rule of ``simulate.dependencies``).
+Dependencies = Callable[[Key], tuple[Key, ...]]
+
+
+def _key(action: Action) -> Key:
+    """Returns ``action`` as a (kind, stage, microbatch) tuple."""
+    return (action.kind, action.stage, action.microbatch)
+
+
+def _name(key: Key) -> str:
+    """Returns the text form of an action key, e.g. ``"2F0"``."""
+    return f"{key[1]}{key[0]}{key[2]}"
+
+
+def _dependency_rule(schedule: Schedule) -> Dependencies:
+    """Returns ``simulate.dependencies`` for this schedule, with the stage graph looked up once.
+
+    The same rule: F needs F of every predecessor; B or BW needs F of its stage and the
+    backward (B or BW, as scheduled) of every successor; W needs B.
+    """
+    kinds = backward_kinds(schedule)
+    preds = {s: schedule.predecessors(s) for s in range(schedule.num_stages)}
+    succs = {s: schedule.successors(s) for s in range(schedule.num_stages)}
+
+    def rule(key: Key) -> tuple[Key, ...]:
+        kind, s, i = key
+        if kind == "F":
+            return tuple(("F", q, i) for q in preds[s])
+        if kind == "W":
+            return (("B", s, i),)
+        return (("F", s, i),) + tuple((kinds.get((q, i), "B"), q, i) for q in succs[s])
+
+    return rule
 
 
 def _check_graph(schedule: Schedule) -> None:
@@ -86,45 +123,52 @@ def _check_placement_and_devices(schedule: Schedule) -> None:
 
 def _check_completeness(schedule: Schedule) -> None:
     """Raises unless each (stage, microbatch) has one F and one BW, or one B and one W."""
-    counts = Counter(a for _, _, a in schedule.all_actions())
-    for action, count in counts.items():
+    counts = Counter(_key(a) for _, _, a in schedule.all_actions())
+    for key, count in counts.items():
         if count > 1:
             raise ScheduleError(
-                f"completeness rule: {action} appears {count} times; each action runs once"
+                f"completeness rule: {_name(key)} appears {count} times; each action runs once"
             )
+    kinds: dict[tuple[int, int], set[str]] = {}
+    for kind, s, i in counts:
+        kinds.setdefault((s, i), set()).add(kind)
     for s in range(schedule.num_stages):
         for i in range(schedule.num_microbatches):
-            has = {k for k in ("F", "B", "W", "BW") if Action(k, s, i) in counts}
+            has = kinds.get((s, i), set())
+            if has in ({"F", "BW"}, {"F", "B", "W"}):
+                continue
             if "F" not in has:
                 raise ScheduleError(
-                    f"completeness rule: {Action('F', s, i)} is missing; add it to device "
+                    f"completeness rule: {_name(('F', s, i))} is missing; add it to device "
                     f"{schedule.placement[s]}"
                 )
-            if "BW" in has and has & {"B", "W"}:
-                extra = " and ".join(str(Action(k, s, i)) for k in ("B", "W") if k in has)
+            if "BW" in has:
+                extra = " and ".join(_name((k, s, i)) for k in ("B", "W") if k in has)
                 raise ScheduleError(
-                    f"completeness rule: {Action('BW', s, i)} and {extra} both run the "
+                    f"completeness rule: {_name(('BW', s, i))} and {extra} both run the "
                     "backward; keep either BW alone or B and W"
                 )
-            if "BW" not in has and has != {"F", "B", "W"}:
-                missing = " and ".join(str(Action(k, s, i)) for k in ("B", "W") if k not in has)
-                raise ScheduleError(
-                    f"completeness rule: {missing} is missing; a stage's backward is one BW or "
-                    "one B and one W"
-                )
+            missing = " and ".join(_name((k, s, i)) for k in ("B", "W") if k not in has)
+            raise ScheduleError(
+                f"completeness rule: {missing} is missing; a stage's backward is one BW or "
+                f"one B and one W (add it to device {schedule.placement[s]})"
+            )
 
 
-def _check_order(schedule: Schedule, kinds: dict[tuple[int, int], str]) -> None:
+def _check_order(schedule: Schedule, dependencies: Dependencies) -> None:
     """Raises if an action comes before a dependency that its own device runs later."""
     for device, program in enumerate(schedule.actions):
-        position = {a: k for k, a in enumerate(program)}
-        for k, action in enumerate(program):
-            for dep in dependencies(schedule, action, kinds):
+        keys = [_key(a) for a in program]
+        position = {key: k for k, key in enumerate(keys)}
+        for k, key in enumerate(keys):
+            for dep in dependencies(key):
                 later = position.get(dep)
                 if later is not None and later > k:
+                    action, needed = _name(key), _name(dep)
                     raise ScheduleError(
                         f"order rule: {action} on device {device} (position {k}) runs before "
-                        f"{dep} (position {later}), which it needs; move {action} after {dep}"
+                        f"{needed} (position {later}), which it needs; move {action} after "
+                        f"{needed}"
                     )
 
 
@@ -144,28 +188,29 @@ def _check_memory(schedule: Schedule) -> None:
                 )
 
 
-def _check_deadlock(schedule: Schedule, kinds: dict[tuple[int, int], str]) -> None:
+def _check_deadlock(schedule: Schedule, dependencies: Dependencies) -> None:
     """Raises if running each device's list in order gets stuck."""
-    done: set[Action] = set()
+    done: set[Key] = set()
+    keys = [[_key(a) for a in program] for program in schedule.actions]
     cursor = [0] * schedule.num_devices
-    waiting_on: dict[Action, list[int]] = {}
+    waiting_on: dict[Key, list[int]] = {}
+    waits_for: dict[int, Key] = {}
     runnable = deque(range(schedule.num_devices))
     while runnable:
         device = runnable.popleft()
-        program = schedule.actions[device]
+        program = keys[device]
         while cursor[device] < len(program):
             action = program[cursor[device]]
-            missing = next(
-                (d for d in dependencies(schedule, action, kinds) if d not in done), None
-            )
+            missing = next((d for d in dependencies(action) if d not in done), None)
             if missing is not None:
                 waiting_on.setdefault(missing, []).append(device)
+                waits_for[device] = missing
                 break
             done.add(action)
             cursor[device] += 1
             runnable.extend(waiting_on.pop(action, ()))
     stuck = [
-        f"device {d} waits at {schedule.actions[d][cursor[d]]}"
+        f"device {d} waits at {schedule.actions[d][cursor[d]]} for {_name(waits_for[d])}"
         for d in range(schedule.num_devices)
         if cursor[d] < len(schedule.actions[d])
     ]
@@ -186,8 +231,8 @@ def validate(schedule: Schedule) -> Schedule:
     _check_graph(schedule)
     _check_placement_and_devices(schedule)
     _check_completeness(schedule)
-    kinds = backward_kinds(schedule)
-    _check_order(schedule, kinds)
+    dependencies = _dependency_rule(schedule)
+    _check_order(schedule, dependencies)
     _check_memory(schedule)
-    _check_deadlock(schedule, kinds)
+    _check_deadlock(schedule, dependencies)
     return schedule
