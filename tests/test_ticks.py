@@ -1,0 +1,155 @@
+"""Tick tables: lockstep timing, slot allocation and message routing of a schedule (no JAX)."""
+
+import pytest
+
+from zbjax import schedules
+from zbjax.errors import ScheduleError
+from zbjax.schedules import Action, Schedule
+from zbjax.ticks import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    IDLE,
+    MessageEdge,
+    decode_actions,
+    incoming_messages,
+    lockstep_ticks,
+    outgoing_messages,
+    tick_tables,
+)
+
+NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
+
+
+def build(name: str, num_devices: int, num_microbatches: int) -> Schedule:
+    stages = 2 * num_devices if name in ("zb-v", "interleaved-1f1b") else num_devices
+    return schedules.build(name, stages, num_microbatches, num_devices=num_devices)
+
+
+def replay(tables, schedule: Schedule) -> None:
+    """Replays the tables' reads and writes and asserts every read finds the right data.
+
+    Residual slots hold ("res", stage, mb) after F and ("stash", stage, mb) after B; message
+    slots hold (edge, mb, direction). A read that finds anything else means two live items
+    shared a slot or a message went to the wrong place.
+    """
+    kinds = schedules.backward_kinds(schedule)
+    d_count = tables.num_devices
+    residual = [dict() for _ in range(d_count)]
+    inbox = [dict() for _ in range(d_count)]
+    for t in range(tables.num_ticks):
+        arrivals = []
+        for d in range(d_count):
+            kind = int(tables.kind[t, d])
+            s, i = int(tables.stage[t, d]), int(tables.microbatch[t, d])
+            if kind == IDLE:
+                assert tables.residual_write[t, d] == tables.num_residual_slots
+                continue
+            backward = kind in (BACKWARD_INPUT, BACKWARD)
+            if kind != BACKWARD_WEIGHT:
+                for j, e in enumerate(incoming_messages(tables.edges, s, backward)):
+                    slot = int(tables.message_read[t, d, j])
+                    assert inbox[d].get(slot) == (e, i, backward), (t, d, s, i, j)
+            if kind in (BACKWARD_INPUT, BACKWARD):
+                assert residual[d].get(int(tables.residual_read[t, d])) == ("res", s, i)
+            if kind == BACKWARD_WEIGHT:
+                assert residual[d].get(int(tables.residual_read[t, d])) == ("stash", s, i)
+            if kind == FORWARD:
+                residual[d][int(tables.residual_write[t, d])] = ("res", s, i)
+            if kind == BACKWARD_INPUT:
+                residual[d][int(tables.residual_write[t, d])] = ("stash", s, i)
+            if kind != BACKWARD_WEIGHT:
+                for shift, position, e in outgoing_messages(
+                    tables.edges, tables.placement, d_count, s, backward
+                ):
+                    arrivals.append(((d + shift) % d_count, shift, position, (e, i, backward)))
+        for dst, shift, position, message in arrivals:
+            k = tables.shifts.index(shift)
+            slot = int(tables.message_write[t, dst, k, position])
+            assert slot < tables.num_message_slots
+            inbox[dst][slot] = message
+    assert len(kinds) == schedule.num_stages * schedule.num_microbatches
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tables_decode_to_the_schedule_action_for_action(name):
+    schedule = build(name, 4, 8)
+    tables = tick_tables(schedule)
+    assert decode_actions(tables) == schedule.actions
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_read_finds_its_data_when_the_tables_are_replayed(name):
+    for devices, micro in ((2, 2), (4, 8)):
+        schedule = build(name, devices, micro)
+        replay(tick_tables(schedule), schedule)
+
+
+def test_lockstep_ticks_run_each_action_after_all_its_dependencies():
+    schedule = build("zb-h1", 4, 8)
+    ticks = lockstep_ticks(schedule)
+    kinds = schedules.backward_kinds(schedule)
+    for action, tick in ticks.items():
+        for dep in schedules.dependencies(schedule, action, kinds):
+            assert ticks[dep] < tick
+    for program in schedule.actions:
+        assert [ticks[a] for a in program] == sorted(ticks[a] for a in program)
+
+
+def test_zb_h1_takes_3m_plus_p_minus_1_ticks_and_1f1b_2m_plus_2p_minus_2():
+    p, m = 4, 8
+    assert tick_tables(build("zb-h1", p, m)).num_ticks == 3 * m + p - 1
+    # 1F1B's backward is the fused BW, one tick in lockstep.
+    assert tick_tables(build("1f1b", p, m)).num_ticks == 2 * m + 2 * (p - 1)
+
+
+def test_residual_slots_follow_microbatches_in_flight_not_m():
+    p = 4
+    for m in (8, 32):
+        assert tick_tables(build("1f1b", p, m)).num_residual_slots == p
+        assert tick_tables(build("zb-h1", p, m)).num_residual_slots == p
+        assert tick_tables(build("gpipe", p, m)).num_residual_slots == m
+
+
+def test_v_placement_sends_both_ways_and_copies_locally():
+    tables = tick_tables(build("zb-v", 4, 8))
+    # Shift 0 is the local copy between the two chunks on the last device, 1 and 3 (= -1)
+    # carry activations down and back up the V.
+    assert tables.shifts == (0, 1, 3)
+
+
+def test_fan_out_and_fan_in_edges_get_one_message_each():
+    edges = (MessageEdge(0, 1), MessageEdge(0, 2), MessageEdge(1, 3), MessageEdge(2, 3))
+    actions = [[] for _ in range(4)]
+    m = 3
+    for s in range(4):
+        actions[s] += [Action("F", s, i) for i in range(m)]
+        actions[s] += [Action("BW", s, i) for i in reversed(range(m))]
+    schedule = Schedule(
+        "dag-gpipe", 4, m, (0, 1, 2, 3), actions, edges=[(e.src, e.dst) for e in edges]
+    )
+    tables = tick_tables(schedule, edges)
+    assert decode_actions(tables) == schedule.actions
+    assert outgoing_messages(edges, tables.placement, 4, 0, backward=False) == (
+        (1, 0, 0),
+        (2, 0, 1),
+    )
+    assert incoming_messages(edges, 3, backward=False) == (2, 3)
+    replay(tables, schedule)
+
+
+def test_action_on_the_wrong_device_is_rejected():
+    schedule = build("1f1b", 2, 2)
+    programs = [list(p) for p in schedule.actions]
+    programs[0][0] = Action("F", 1, 0)
+    with pytest.raises(ScheduleError, match="placement rule"):
+        lockstep_ticks(schedule.with_actions(programs))
+
+
+def test_deadlocked_order_is_rejected():
+    schedule = build("gpipe", 2, 2)
+    programs = [list(p) for p in schedule.actions]
+    programs[1] = programs[1][::-1]  # backward before its forward
+    with pytest.raises(ScheduleError, match="deadlock"):
+        lockstep_ticks(schedule.with_actions(programs))

@@ -1,0 +1,229 @@
+"""Staged parameter layout: each pipeline device holds only the parameters of its own stages.
+
+A ``shard_map`` input is split evenly over the pipeline axis, so every device's shard has the
+same shape, while stages (embedding, blocks, head) hold different parameters. The staged
+layout therefore keeps, per dtype, one ``[num_devices, row_size]`` buffer whose row ``d``
+packs the parameter leaves of device ``d``'s stages back to back, stage after stage, padded to
+the longest row. A stage's leaves are contiguous in its row, so the lowering unpacks them with
+static slices and adds a stage's weight gradient into the row with one slice update.
+
+A leaf read by stages on two devices (a tied embedding) is stored in both rows; a leaf read by
+two stages of one device is stored once per stage. Its gradient is the sum of all copies.
+Leaves no stage reads are kept at the end of row 0 so that ``unstage(stage(params))`` gives
+the params back; their gradient is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def dtype_name(dtype) -> str:
+    """Returns the canonical name of ``dtype`` used to key per-dtype buffers."""
+    return np.dtype(dtype).name
+
+
+@dataclass(frozen=True)
+class LeafSlot:
+    """Where one copy of a param leaf sits: its dtype's row, offset in the row, and shape."""
+
+    leaf: int
+    dtype: str
+    offset: int
+    size: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StagedLayout:
+    """Per-dtype row layout of the staged params.
+
+    ``stage_slots[s]`` lists stage ``s``'s leaves in ``param_leaves`` order with offsets in
+    device ``placement[s]``'s row; ``stage_offset[s][k]`` is where stage ``s``'s block of dtype
+    ``dtypes[k]`` starts and ``stage_capacity[k]`` the largest such block over stages, so that
+    ``row_size[k] >= stage_offset[s][k] + stage_capacity[k]`` for every stage.
+    """
+
+    dtypes: tuple[str, ...]
+    row_size: tuple[int, ...]
+    stage_capacity: tuple[int, ...]
+    stage_offset: tuple[tuple[int, ...], ...]
+    stage_slots: tuple[tuple[LeafSlot, ...], ...]
+    placement: tuple[int, ...]
+    num_devices: int
+    unread_slots: tuple[LeafSlot, ...]  # on device 0
+    param_avals: tuple[jax.ShapeDtypeStruct, ...]
+
+    def dtype_index(self, dtype: str) -> int:
+        """Returns the position of ``dtype`` in ``dtypes``."""
+        return self.dtypes.index(dtype)
+
+    def copies(self) -> list[tuple[int, LeafSlot]]:
+        """Returns every stored copy as (device, slot)."""
+        out = [
+            (self.placement[s], slot) for s, slots in enumerate(self.stage_slots) for slot in slots
+        ]
+        out += [(0, slot) for slot in self.unread_slots]
+        return out
+
+    def bytes_per_device(self) -> int:
+        """Returns the bytes of staged params one device holds (its row of every dtype)."""
+        return sum(
+            n * np.dtype(dt).itemsize for dt, n in zip(self.dtypes, self.row_size, strict=True)
+        )
+
+
+def staged_layout(
+    param_avals: Sequence[jax.ShapeDtypeStruct],
+    stage_param_leaves: Sequence[Sequence[int]],
+    placement: Sequence[int],
+    num_devices: int,
+) -> StagedLayout:
+    """Returns the row layout for stages reading ``stage_param_leaves`` placed on devices."""
+    param_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in param_avals)
+    dtypes = tuple(sorted({dtype_name(a.dtype) for a in param_avals}))
+    fill = [[0] * len(dtypes) for _ in range(num_devices)]
+    stage_offset = []
+    stage_slots = []
+    capacity = [0] * len(dtypes)
+    for s, leaves in enumerate(stage_param_leaves):
+        row = fill[placement[s]]
+        start = list(row)
+        slots = []
+        for leaf in leaves:
+            aval = param_avals[leaf]
+            k = dtypes.index(dtype_name(aval.dtype))
+            size = int(np.prod(aval.shape, dtype=np.int64))
+            slots.append(LeafSlot(leaf, dtypes[k], row[k], size, tuple(aval.shape)))
+            row[k] += size
+        for k in range(len(dtypes)):
+            capacity[k] = max(capacity[k], row[k] - start[k])
+        stage_offset.append(tuple(start))
+        stage_slots.append(tuple(slots))
+    read = {leaf for leaves in stage_param_leaves for leaf in leaves}
+    unread = []
+    for leaf, aval in enumerate(param_avals):
+        if leaf not in read:
+            k = dtypes.index(dtype_name(aval.dtype))
+            size = int(np.prod(aval.shape, dtype=np.int64))
+            unread.append(LeafSlot(leaf, dtypes[k], fill[0][k], size, tuple(aval.shape)))
+            fill[0][k] += size
+    row_size = [max(fill[d][k] for d in range(num_devices)) for k in range(len(dtypes))]
+    for s in range(len(stage_param_leaves)):
+        for k in range(len(dtypes)):
+            row_size[k] = max(row_size[k], stage_offset[s][k] + capacity[k])
+    return StagedLayout(
+        dtypes=dtypes,
+        row_size=tuple(row_size),
+        stage_capacity=tuple(capacity),
+        stage_offset=tuple(stage_offset),
+        stage_slots=tuple(stage_slots),
+        placement=tuple(placement),
+        num_devices=num_devices,
+        unread_slots=tuple(unread),
+        param_avals=param_avals,
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class StagedParams:
+    """Params (or grads) in the staged layout: ``rows[k]`` is a ``[num_devices, row_size[k]]``
+    array of dtype ``dtypes[k]``; row ``d`` lives on pipeline device ``d``."""
+
+    def __init__(self, rows: Sequence[jax.Array], dtypes: Sequence[str]):
+        self.rows = tuple(rows)
+        self.dtypes = tuple(dtypes)
+
+    def tree_flatten(self):
+        return self.rows, self.dtypes
+
+    @classmethod
+    def tree_unflatten(cls, dtypes, rows):
+        return cls(rows, dtypes)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{dt}{list(np.shape(r))}" for dt, r in zip(self.dtypes, self.rows, strict=True)
+        )
+        return f"StagedParams({shapes})"
+
+
+def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedParams:
+    """Returns the staged layout of the flat param ``leaves`` (works under ``jax.jit``)."""
+    pieces: list[list[list]] = [[[] for _ in range(layout.num_devices)] for _ in layout.dtypes]
+    fill = [[0] * len(layout.dtypes) for _ in range(layout.num_devices)]
+    for device, slot in sorted(layout.copies(), key=lambda c: (c[0], c[1].offset)):
+        k = layout.dtype_index(slot.dtype)
+        if slot.offset > fill[device][k]:
+            pieces[k][device].append(jnp.zeros(slot.offset - fill[device][k], slot.dtype))
+        pieces[k][device].append(jnp.ravel(jnp.asarray(leaves[slot.leaf], slot.dtype)))
+        fill[device][k] = slot.offset + slot.size
+    rows = []
+    for k, dt in enumerate(layout.dtypes):
+        device_rows = []
+        for d in range(layout.num_devices):
+            pad = layout.row_size[k] - fill[d][k]
+            parts = pieces[k][d] + ([jnp.zeros(pad, dt)] if pad else [])
+            device_rows.append(jnp.concatenate(parts) if parts else jnp.zeros(0, dt))
+        rows.append(jnp.stack(device_rows))
+    return StagedParams(rows, layout.dtypes)
+
+
+def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, slot: LeafSlot):
+    k = layout.dtype_index(slot.dtype)
+    return rows[k][device, slot.offset : slot.offset + slot.size].reshape(slot.shape)
+
+
+def unstage_leaves(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
+    """Returns the flat param leaves stored in ``staged`` (the first copy of a tied leaf)."""
+    out: list = [None] * len(layout.param_avals)
+    for device, slot in layout.copies():
+        if out[slot.leaf] is None:
+            out[slot.leaf] = _slot_value(staged.rows, layout, device, slot)
+    return out
+
+
+def unstage_gradients(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
+    """Returns flat param gradients from staged ones: the sum over every copy of a leaf."""
+    out: list = [None] * len(layout.param_avals)
+    for device, slot in layout.copies():
+        value = _slot_value(staged.rows, layout, device, slot)
+        out[slot.leaf] = value if out[slot.leaf] is None else out[slot.leaf] + value
+    return out
+
+
+def unpack_stage_params(
+    layout: StagedLayout, stage: int, local_rows: Sequence[jax.Array]
+) -> list[jax.Array]:
+    """Returns stage ``stage``'s param leaves (``param_leaves`` order) from its device's rows."""
+    return [
+        local_rows[layout.dtype_index(slot.dtype)][slot.offset : slot.offset + slot.size].reshape(
+            slot.shape
+        )
+        for slot in layout.stage_slots[stage]
+    ]
+
+
+def pack_stage_gradients(
+    layout: StagedLayout, stage: int, grads: Sequence[jax.Array]
+) -> list[jax.Array]:
+    """Returns per dtype a ``stage_capacity``-long vector of stage ``stage``'s packed grads.
+
+    The vector belongs at ``stage_offset[stage]`` of the device's row.
+    """
+    pieces: list[list] = [[] for _ in layout.dtypes]
+    for slot, grad in zip(layout.stage_slots[stage], grads, strict=True):
+        k = layout.dtype_index(slot.dtype)
+        pieces[k].append(jnp.ravel(grad).astype(slot.dtype))
+    out = []
+    for k, dt in enumerate(layout.dtypes):
+        used = sum(int(p.size) for p in pieces[k])
+        pad = layout.stage_capacity[k] - used
+        parts = pieces[k] + ([jnp.zeros(pad, dt)] if pad else [])
+        out.append(jnp.concatenate(parts) if parts else jnp.zeros(0, dt))
+    return out

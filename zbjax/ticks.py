@@ -1,0 +1,342 @@
+"""Lockstep tick tables of a schedule: what every device does at every tick, and where data lives.
+
+The lowering runs a schedule as a loop over *ticks*. At tick ``t`` every device runs at most one
+action; an action may run at tick ``t`` once every action it depends on ran at a tick before
+``t`` (data produced during tick ``t`` is moved at the end of tick ``t`` and usable from
+``t + 1``). This module turns a ``Schedule`` into integer tables indexed ``[tick, device]`` and
+allocates the buffer slots the lowering reads and writes. Pure Python and NumPy, no JAX.
+
+Data that outlives a tick sits in two slot pools per device, both sized by the schedule's peak
+number of items in flight (interval colouring), never by the number of microbatches:
+
+- **residual slots**: one per (stage, microbatch) from its F until its W (or BW). F writes the
+  residuals, B reads them and writes W's stash into the same slot, W reads the stash.
+- **message slots**: one per *message* from the tick it is sent until the tick it is read. A
+  message is one stage-graph edge's values for one microbatch (sent by F of the edge's source
+  to F of its destination) or their cotangents (sent by B/BW of the destination to B/BW of the
+  source). Same-device edges are messages with shift 0 (a local copy).
+
+Each pool has one extra *spare* slot (index = number of slots) that absorbs the writes of
+actions that write nothing, so the lowering can write unconditionally.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from zbjax.errors import ScheduleError
+from zbjax.schedules.ir import Action, Schedule
+from zbjax.schedules.simulate import backward_kinds, dependencies
+
+#: Codes of the ``kind`` table; 0 means the device idles at that tick.
+IDLE, FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, BACKWARD = 0, 1, 2, 3, 4
+KIND_CODES: dict[str, int] = {
+    "F": FORWARD,
+    "B": BACKWARD_INPUT,
+    "W": BACKWARD_WEIGHT,
+    "BW": BACKWARD,
+}
+KIND_NAMES: dict[int, str] = {code: name for name, code in KIND_CODES.items()}
+
+
+@dataclass(frozen=True)
+class MessageEdge:
+    """A stage-graph edge as the tables see it: its stages and whether cotangents flow back."""
+
+    src: int
+    dst: int
+    has_cotangent: bool = True
+
+
+@dataclass(frozen=True)
+class TickTables:
+    """Integer tables ``[num_ticks, num_devices, ...]`` that drive the lowered tick loop.
+
+    ``kind``/``stage``/``microbatch`` say which action runs (kind ``IDLE`` = none).
+    ``residual_read`` is the residual slot B/W/BW read; ``residual_write`` the slot F writes its
+    residuals to and B its stash to (the spare slot otherwise). ``message_read[t, d, j]`` is the
+    message slot holding the j-th input of the action: F's in-edges or B/BW's out-edge
+    cotangents, in edge order (the spare slot past the last). ``message_write[t, d, k, j]`` is
+    where device ``d`` stores the j-th message that arrives over ``shifts[k]`` at the end of
+    tick ``t`` (the spare slot when none arrives). A message sent over shift ``k`` goes from
+    device ``d`` to device ``(d + shifts[k]) % num_devices``.
+    """
+
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    residual_read: np.ndarray
+    residual_write: np.ndarray
+    message_read: np.ndarray
+    message_write: np.ndarray
+    shifts: tuple[int, ...]
+    messages_per_shift: tuple[int, ...]
+    num_residual_slots: int
+    num_message_slots: int
+    edges: tuple[MessageEdge, ...]
+    placement: tuple[int, ...]
+
+    @property
+    def num_ticks(self) -> int:
+        """Returns the number of ticks of the loop."""
+        return int(self.kind.shape[0])
+
+    @property
+    def num_devices(self) -> int:
+        """Returns the number of pipeline devices (columns of the tables)."""
+        return int(self.kind.shape[1])
+
+
+def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
+    """Returns the tick at which each action runs when all devices advance in lockstep.
+
+    Each device runs its actions in order, one per tick; an action runs at the first tick after
+    every one of its dependencies. Raises ``ScheduleError`` when an action is placed on the
+    wrong device, a dependency is never scheduled, or the order deadlocks.
+    """
+    scheduled: set[Action] = set()
+    for device, _, action in schedule.all_actions():
+        if action.stage >= schedule.num_stages:
+            raise ScheduleError(
+                f"action {action} on device {device} names stage {action.stage}, but the "
+                f"schedule has {schedule.num_stages} stages"
+            )
+        if schedule.placement[action.stage] != device:
+            raise ScheduleError(
+                f"placement rule: action {action} runs on device {device} but stage "
+                f"{action.stage} is placed on device {schedule.placement[action.stage]}; "
+                "run each stage's actions on its own device"
+            )
+        if action in scheduled:
+            raise ScheduleError(f"action {action} appears twice; run every action once")
+        scheduled.add(action)
+    kinds = backward_kinds(schedule)
+    deps = {a: dependencies(schedule, a, kinds) for a in scheduled}
+    for action, needs in deps.items():
+        for dep in needs:
+            if dep not in scheduled:
+                raise ScheduleError(
+                    f"dependency rule: {action} needs {dep}, which no device runs; "
+                    "add it to the schedule"
+                )
+    tick_of: dict[Action, int] = {}
+    cursor = [0] * schedule.num_devices
+    remaining = len(scheduled)
+    tick = 0
+    while remaining:
+        ran = []
+        for device, program in enumerate(schedule.actions):
+            if cursor[device] < len(program):
+                action = program[cursor[device]]
+                if all(tick_of.get(dep, tick) < tick for dep in deps[action]):
+                    ran.append(action)
+                    cursor[device] += 1
+        if not ran:
+            waiting = [
+                f"device {d} waits at {program[cursor[d]]}"
+                for d, program in enumerate(schedule.actions)
+                if cursor[d] < len(program)
+            ]
+            raise ScheduleError(
+                "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
+                "reorder the actions so every dependency can run first"
+            )
+        for action in ran:
+            tick_of[action] = tick
+        remaining -= len(ran)
+        tick += 1
+    return tick_of
+
+
+def outgoing_messages(
+    edges: Sequence[MessageEdge],
+    placement: Sequence[int],
+    num_devices: int,
+    stage: int,
+    backward: bool,
+) -> tuple[tuple[int, int, int], ...]:
+    """Returns (shift, position, edge index) of every message F (or B/BW) of ``stage`` sends.
+
+    F sends each out-edge's values to the edge's destination; B/BW sends each in-edge's
+    cotangents (when it has any) back to its source. ``position`` numbers the messages that
+    share a shift, in edge order: it is where the message sits in that shift's payload.
+    """
+    sends = []
+    count: dict[int, int] = {}
+    for index, edge in enumerate(edges):
+        if backward:
+            if edge.dst != stage or not edge.has_cotangent:
+                continue
+            src_device, dst_device = placement[edge.dst], placement[edge.src]
+        else:
+            if edge.src != stage:
+                continue
+            src_device, dst_device = placement[edge.src], placement[edge.dst]
+        shift = (dst_device - src_device) % num_devices
+        sends.append((shift, count.get(shift, 0), index))
+        count[shift] = count.get(shift, 0) + 1
+    return tuple(sends)
+
+
+def incoming_messages(edges: Sequence[MessageEdge], stage: int, backward: bool) -> tuple[int, ...]:
+    """Returns the edge indices whose messages F (or B/BW) of ``stage`` reads, in read order."""
+    if backward:
+        return tuple(i for i, e in enumerate(edges) if e.src == stage and e.has_cotangent)
+    return tuple(i for i, e in enumerate(edges) if e.dst == stage)
+
+
+def _colour_intervals(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Returns (owner -> slot, number of slots) for half-open tick intervals [start, end).
+
+    Greedy by start time, reusing the lowest free slot, which is optimal for intervals.
+    """
+    slot_of: dict = {}
+    busy: list[tuple[int, int]] = []  # (end, slot)
+    free: list[int] = []
+    num_slots = 0
+    for start, end, owner in sorted(intervals, key=lambda x: (x[0], x[1])):
+        while busy and busy[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            slot = heapq.heappop(free)
+        else:
+            slot = num_slots
+            num_slots += 1
+        slot_of[owner] = slot
+        heapq.heappush(busy, (end, slot))
+    return slot_of, num_slots
+
+
+def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) -> TickTables:
+    """Returns the lockstep tables and slot allocation that run ``schedule``.
+
+    ``edges`` are the stage graph's edges (one message each per microbatch and direction);
+    by default one edge per ``schedule.edges`` pair, every one carrying cotangents.
+    """
+    if edges is None:
+        edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
+    edges = tuple(edges)
+    for edge in edges:
+        if (edge.src, edge.dst) not in schedule.edges:
+            raise ScheduleError(
+                f"the stage graph has edge {edge.src}->{edge.dst} but the schedule's edges are "
+                f"{list(schedule.edges)}; build the schedule from the same stage graph"
+            )
+    tick_of = lockstep_ticks(schedule)
+    num_devices = schedule.num_devices
+    placement = schedule.placement
+    num_ticks = max(tick_of.values(), default=-1) + 1
+    kinds = backward_kinds(schedule)
+
+    # Residual slots live from F until W (or BW), per device.
+    residual_intervals: list[list] = [[] for _ in range(num_devices)]
+    for action, tick in tick_of.items():
+        if action.kind == "F":
+            s, i = action.stage, action.microbatch
+            last = Action("W", s, i) if kinds.get((s, i)) == "B" else Action("BW", s, i)
+            if last not in tick_of:
+                raise ScheduleError(
+                    f"dependency rule: {action} has no backward ({last}) in the schedule; "
+                    "every forward needs a backward"
+                )
+            residual_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
+    residual_slots = [_colour_intervals(iv) for iv in residual_intervals]
+    num_residual_slots = max((n for _, n in residual_slots), default=0)
+
+    # Messages live from the tick they are sent until the tick they are read, on the reader.
+    sends: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+    message_intervals: list[list] = [[] for _ in range(num_devices)]
+    for action, tick in tick_of.items():
+        if action.kind == "W":
+            continue
+        backward = action.kind != "F"
+        for shift, position, e in outgoing_messages(
+            edges, placement, num_devices, action.stage, backward
+        ):
+            edge = edges[e]
+            reader_stage = edge.src if backward else edge.dst
+            reader_kind = kinds.get((reader_stage, action.microbatch), "B") if backward else "F"
+            reader = Action(reader_kind, reader_stage, action.microbatch)
+            key = (e, action.microbatch, int(backward))
+            sends[key] = (tick, shift, position, placement[reader_stage])
+            message_intervals[placement[reader_stage]].append((tick, tick_of[reader], key))
+    message_slots = [_colour_intervals(iv) for iv in message_intervals]
+    num_message_slots = max((n for _, n in message_slots), default=0)
+
+    shifts = tuple(sorted({shift for _, shift, _, _ in sends.values()}))
+    shift_index = {shift: k for k, shift in enumerate(shifts)}
+    messages_per_shift = [0] * len(shifts)
+    for _, shift, position, _ in sends.values():
+        messages_per_shift[shift_index[shift]] = max(
+            messages_per_shift[shift_index[shift]], position + 1
+        )
+    max_per_shift = max(messages_per_shift, default=0)
+    max_reads = max(
+        (
+            len(incoming_messages(edges, s, backward))
+            for s in range(schedule.num_stages)
+            for backward in (False, True)
+        ),
+        default=0,
+    )
+
+    shape = (num_ticks, num_devices)
+    kind = np.zeros(shape, np.int32)
+    stage = np.zeros(shape, np.int32)
+    microbatch = np.zeros(shape, np.int32)
+    residual_read = np.full(shape, num_residual_slots, np.int32)
+    residual_write = np.full(shape, num_residual_slots, np.int32)
+    message_read = np.full(shape + (max_reads,), num_message_slots, np.int32)
+    message_write = np.full(shape + (len(shifts), max_per_shift), num_message_slots, np.int32)
+    for action, tick in tick_of.items():
+        s, i = action.stage, action.microbatch
+        d = placement[s]
+        kind[tick, d] = KIND_CODES[action.kind]
+        stage[tick, d] = s
+        microbatch[tick, d] = i
+        slot = residual_slots[d][0][(s, i)]
+        if action.kind in ("F", "B"):
+            residual_write[tick, d] = slot
+        if action.kind != "F":
+            residual_read[tick, d] = slot
+        if action.kind != "W":
+            backward = action.kind != "F"
+            for j, e in enumerate(incoming_messages(edges, s, backward)):
+                message_read[tick, d, j] = message_slots[d][0][(e, i, int(backward))]
+    for key, (tick, shift, position, reader_device) in sends.items():
+        slot = message_slots[reader_device][0][key]
+        message_write[tick, reader_device, shift_index[shift], position] = slot
+    return TickTables(
+        kind=kind,
+        stage=stage,
+        microbatch=microbatch,
+        residual_read=residual_read,
+        residual_write=residual_write,
+        message_read=message_read,
+        message_write=message_write,
+        shifts=shifts,
+        messages_per_shift=tuple(messages_per_shift),
+        num_residual_slots=num_residual_slots,
+        num_message_slots=num_message_slots,
+        edges=edges,
+        placement=tuple(placement),
+    )
+
+
+def decode_actions(tables: TickTables) -> tuple[tuple[Action, ...], ...]:
+    """Returns each device's actions in the order the tables run them (idle ticks skipped)."""
+    programs = []
+    for d in range(tables.num_devices):
+        program = []
+        for t in range(tables.num_ticks):
+            code = int(tables.kind[t, d])
+            if code != IDLE:
+                program.append(
+                    Action(KIND_NAMES[code], int(tables.stage[t, d]), int(tables.microbatch[t, d]))
+                )
+        programs.append(tuple(program))
+    return tuple(programs)
