@@ -76,6 +76,7 @@ def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
         "busy": list(result.busy),
         "placement": list(schedule.placement),
         "edges": [list(e) for e in schedule.edges],
+        "stage_names": list(schedule.stage_names) if schedule.stage_names else None,
         "mem_limit": schedule.mem_limit,
         "w_mem": schedule.w_mem,
         "costs": {"f": costs.f, "b": costs.b, "w": costs.w, "comm": costs.comm},
