@@ -2,7 +2,16 @@
 
 import pytest
 
-from zbjax.schedules import Costs, build, parse_actions, simulate, span_bubble_rate, v_placement
+from zbjax.errors import ScheduleError
+from zbjax.schedules import (
+    SCHEDULE_NAMES,
+    Costs,
+    build,
+    parse_actions,
+    simulate,
+    span_bubble_rate,
+    v_placement,
+)
 from zbjax.schedules.generators import (
     gpipe,
     interleaved_one_f_one_b,
@@ -115,3 +124,117 @@ def test_1f1b_device_0_warms_up_with_p_minus_1_forwards():
     s = one_f_one_b(4, 8)
     assert s.actions[0][:5] == parse_actions("0F0 0F1 0F2 0F3 0BW0")[0]
     assert s.actions[3][:3] == parse_actions("3F0 3BW0 3F1")[0]
+
+
+# ---------------------------------------------------------------- build(): names, defaults, errors
+
+# PyTorch's pipelining test grid: (stages per device, microbatches, devices).
+TORCH_GRID = [
+    (2, 2, 2), (2, 4, 4), (2, 8, 2), (2, 8, 4), (2, 8, 8), (4, 4, 4), (4, 8, 4), (4, 8, 8),
+    (4, 16, 4), (4, 32, 4), (4, 64, 4), (4, 16, 16), (4, 32, 32), (4, 128, 64), (3, 2, 2),
+    (3, 8, 2), (3, 12, 4), (4, 6, 3), (4, 10, 5), (2, 3, 4), (2, 10, 4), (2, 15, 4),
+]  # fmt: skip
+
+
+def test_schedule_names_are_the_contract():
+    assert SCHEDULE_NAMES == (
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb-h1",
+        "zb-h2",
+        "zb-v",
+        "zb-auto",
+    )
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
+def test_single_stage_schedules_run_on_the_torch_grid(name):
+    for _, m, p in TORCH_GRID:
+        s = build(name, p, m)
+        r = simulate(s)
+        assert s.num_devices == p and r.makespan > 0
+        assert sum(r.busy) == pytest.approx(3 * p * m)
+
+
+def test_interleaved_runs_on_the_torch_grid_with_its_stages_per_device():
+    for v, m, p in TORCH_GRID:
+        s = build("interleaved-1f1b", v * p, m, num_devices=p)
+        r = simulate(s)
+        assert s.placement == tuple(st % p for st in range(v * p))
+        assert sum(r.busy) == pytest.approx(3 * v * p * m)
+
+
+def test_zb_v_runs_on_the_torch_grid_where_a_device_holds_2_stages_and_says_why_elsewhere():
+    for v, m, p in TORCH_GRID:
+        if v == 2:
+            s = build("zb-v", 2 * p, m)
+            assert s.num_devices == p
+            assert simulate(s).makespan >= 6 * m
+        else:
+            with pytest.raises(ScheduleError, match="exactly 2 stages per device"):
+                build("zb-v", v * p, m, num_devices=p)
+
+
+def test_built_schedules_record_the_memory_limit_and_w_mem():
+    s = build("zb-h1", 4, 8, mem_limit=4.0, w_mem=0.25)
+    assert s.mem_limit == 4.0 and s.w_mem == 0.25
+    assert build("1f1b", 4, 8).mem_limit is None
+
+
+def test_a_tighter_memory_limit_shrinks_the_zero_bubble_warm_up():
+    for name, p, default in (("zb-h1", 4, 4.0), ("zb-h2", 4, 7.0), ("zb-v", 8, 8.0)):
+        for limit in (2.0, 3.0, default):
+            s = build(name, p, 12, mem_limit=limit)
+            assert max(simulate(s).peak_memory) <= limit, (name, limit)
+    tight = simulate(build("zb-h2", 4, 12, mem_limit=4.0))
+    assert tight.bubble_rate > simulate(build("zb-h2", 4, 12)).bubble_rate
+
+
+def test_interleaved_defaults_to_two_stages_per_device_and_explains_odd_counts():
+    assert build("interleaved-1f1b", 8, 8).num_devices == 4
+    with pytest.raises(ScheduleError, match="pass num_devices"):
+        build("interleaved-1f1b", 5, 8)
+    with pytest.raises(ScheduleError, match="not a multiple of num_devices = 4"):
+        build("interleaved-1f1b", 10, 8, num_devices=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(name="zb-h3", num_stages=4, num_microbatches=8), "zb-h1, zb-h2, zb-v"),
+        (dict(name="1f1b", num_stages=0, num_microbatches=8), "num_stages = 0"),
+        (dict(name="zb-h1", num_stages=4, num_microbatches=0), "num_microbatches = 0"),
+        (dict(name="gpipe", num_stages=4, num_microbatches=8, num_devices=2), "one stage per"),
+        (dict(name="zb-v", num_stages=6, num_microbatches=8, num_devices=2), "2 stages per"),
+        (dict(name="zb-h1", num_stages=4, num_microbatches=8, w_mem=1.5), "w_mem = 1.5"),
+        (dict(name="1f1b", num_stages=4, num_microbatches=8, mem_limit=0.5), "at least 1"),
+        (dict(name="1f1b", num_stages=4, num_microbatches=8, mem_limit=3.0), "needs 4 M_B"),
+        (dict(name="gpipe", num_stages=2, num_microbatches=8, mem_limit=4.0), "needs 8 M_B"),
+        (dict(name="zb-v", num_stages=8, num_microbatches=8, mem_limit=1.5), "too small"),
+        (dict(name="zb-h1", num_stages=4, num_microbatches=8, foo=1), "no options"),
+        (
+            dict(name="zb-h1", num_stages=4, num_microbatches=8, costs=Costs(f=[1.0, 2.0])),
+            "costs.f has 2 entries but there are 4 stages",
+        ),
+        (
+            dict(name="zb-h1", num_stages=2, num_microbatches=8, costs=Costs(b=(1.0, -1.0))),
+            "costs.b = -1.0 is negative",
+        ),
+    ],
+)
+def test_bad_requests_raise_schedule_error_naming_the_value(kwargs, words):
+    with pytest.raises(ScheduleError) as info:
+        build(**kwargs)
+    assert words in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_zb_auto_is_built_validated_and_records_its_limit():
+    pytest.importorskip("zbjax.schedules.auto")
+    costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
+    s = build("zb-auto", 4, 8, costs=costs, mem_limit=4.0, w_mem=0.5)
+    assert s.mem_limit == 4.0 and s.num_devices == 4
+    r = simulate(s, costs)
+    assert max(r.peak_memory) <= 4.0
+    assert r.bubble_rate <= simulate(build("1f1b", 4, 8), costs).bubble_rate + 1e-9
