@@ -95,7 +95,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.mean(picked)
 
 
-def check_dropout_key(cfg: GPTConfig | Any, key: jax.Array | None) -> None:
+def check_dropout_key(cfg: GPTConfig, key: jax.Array | None) -> None:
     """Returns None when a dropout key is given exactly when the config needs one."""
     if cfg.dropout_rate > 0.0 and key is None:
         raise ValueError(
@@ -256,7 +256,7 @@ def describe_gpt(
     cuts = (
         f"stage boundaries after blocks {cfg.stage_boundaries}"
         if cfg.stage_boundaries
-        else ("no stage boundaries")
+        else "no stage boundaries"
     )
     return f"GPT ({flavour}; tied head): {sizes}; {count:,} params; {cuts}"
 
