@@ -1,0 +1,120 @@
+"""Schedule IR: actions and their text form, schedules, costs (pure Python)."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zbjax.errors import ScheduleError
+from zbjax.schedules import KINDS, Action, Costs, Schedule, chain_edges, parse_actions
+
+
+@given(st.sampled_from(KINDS), st.integers(0, 10_000), st.integers(0, 10_000))
+def test_action_text_round_trips(kind, stage, microbatch):
+    action = Action(kind, stage, microbatch)
+    assert Action.parse(str(action)) == action
+    assert str(action) == f"{stage}{kind}{microbatch}"
+
+
+def test_action_text_examples():
+    assert Action.parse("2F0") == Action("F", 2, 0)
+    assert Action.parse(" 3BW5 ") == Action("BW", 3, 5)
+    assert Action.parse("10W12") == Action("W", 10, 12)
+    assert repr(Action("B", 1, 3)) == "Action('1B3')"
+
+
+@pytest.mark.parametrize("text", ["F0", "2X1", "2F", "-1F0", "2 F 0", ""])
+def test_unparseable_action_text_says_how_to_write_it(text):
+    with pytest.raises(ScheduleError, match="e.g. '2F0'"):
+        Action.parse(text)
+
+
+def test_action_rejects_unknown_kind_and_negative_indices():
+    with pytest.raises(ScheduleError, match="'X' is not one of"):
+        Action("X", 0, 0)
+    with pytest.raises(ScheduleError, match="must be >= 0"):
+        Action("F", -1, 0)
+    with pytest.raises(ScheduleError, match="must be >= 0"):
+        Action("B", 0, -2)
+
+
+def test_actions_sort_and_hash_as_values():
+    assert len({Action("F", 0, 1), Action.parse("0F1")}) == 1
+    assert sorted([Action("W", 0, 0), Action("B", 0, 0)]) == [Action("B", 0, 0), Action("W", 0, 0)]
+
+
+def _diamond() -> Schedule:
+    return Schedule(
+        "diamond",
+        4,
+        1,
+        (0, 1, 2, 0),
+        parse_actions("d0: 0F0 3F0 3B0 0B0 3W0 0W0\nd1: 1F0 1BW0\nd2: 2F0 2BW0"),
+        edges=((0, 1), (0, 2), (1, 3), (2, 3)),
+    )
+
+
+def test_schedule_defaults_to_a_chain_and_counts_devices_by_action_lists():
+    s = Schedule("c", 3, 2, (0, 1, 2), [[], [], []])
+    assert s.edges == chain_edges(3) == ((0, 1), (1, 2))
+    assert s.num_devices == 3
+    assert s.mem_limit is None and s.w_mem == 0.5
+
+
+def test_schedule_graph_queries_follow_the_edges():
+    s = _diamond()
+    assert s.predecessors(3) == (1, 2)
+    assert s.successors(0) == (1, 2)
+    assert s.predecessors(0) == ()
+    assert s.stages_on(0) == (0, 3)
+    assert len(list(s.all_actions())) == 10
+
+
+def test_placement_must_have_one_device_per_stage():
+    with pytest.raises(ScheduleError, match="placement has 2 entries but num_stages is 3"):
+        Schedule("bad", 3, 1, (0, 1), [[], []])
+
+
+def test_text_form_is_one_line_per_device_and_parses_back():
+    s = _diamond()
+    text = s.to_text()
+    assert text.splitlines()[1] == "d1: 1F0 1BW0"
+    assert parse_actions(text) == s.actions
+    assert parse_actions("\n  0F0 0B0\n\n1F0\n") == (
+        (Action("F", 0, 0), Action("B", 0, 0)),
+        (Action("F", 1, 0),),
+    )
+
+
+def test_with_actions_keeps_everything_but_the_actions():
+    s = Schedule("c", 2, 1, (0, 1), [[], []], mem_limit=3.0, w_mem=0.25, stage_names=("a", "b"))
+    t = s.with_actions(parse_actions("d0: 0F0 0BW0\nd1: 1F0 1BW0"))
+    assert (t.name, t.placement, t.edges, t.mem_limit, t.w_mem, t.stage_names) == (
+        "c",
+        (0, 1),
+        ((0, 1),),
+        3.0,
+        0.25,
+        ("a", "b"),
+    )
+    assert t.actions[1] == (Action("F", 1, 0), Action("BW", 1, 0))
+
+
+def test_costs_expand_scalars_and_lists_per_stage():
+    c = Costs(f=1.0, b=[2.0, 3.0], w=0.5, comm=0.1)
+    assert c.b == (2.0, 3.0)
+    assert c.per_stage(2) == ((1.0, 1.0), (2.0, 3.0), (0.5, 0.5))
+    assert c.of(Action("BW", 1, 0), 2) == 3.5
+    assert c.of(Action("F", 0, 0), 2) == 1.0
+
+
+def test_costs_reject_wrong_lengths_negative_and_nan():
+    with pytest.raises(ScheduleError, match="costs.f has 3 entries but there are 2 stages"):
+        Costs(f=[1, 1, 1]).per_stage(2)
+    with pytest.raises(ScheduleError, match="costs.w = -1.0 is negative"):
+        Costs(w=-1.0).per_stage(1)
+    with pytest.raises(ScheduleError, match="NaN"):
+        Costs(b=[1.0, math.nan]).per_stage(2)
+    with pytest.raises(ScheduleError, match="costs.comm = -0.5"):
+        Costs(comm=-0.5)
