@@ -1,0 +1,303 @@
+"""F/B/W split: B then W equals the fused backward and jax.vjp, with no recomputed matmul."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxpr_as_fun
+
+from zbjax.cost_model import jaxpr_cost, matmul_flops
+from zbjax.errors import PartitionError
+from zbjax.split import forwarded_residuals, split, split_stage
+from zbjax.stages import Stage, StageGraph
+
+RTOL, ATOL = 1e-5, 1e-6
+D, H, S, B = 16, 32, 8, 2  # width, hidden, sequence, batch rows
+
+
+def _inexact(x):
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def make_stage(fn, params, batch, inputs, input_differentiable=None, index=0):
+    """Returns a Stage whose jaxpr is ``fn(*params, *batch, *inputs) -> tuple of outputs``."""
+    closed = jax.make_jaxpr(fn)(*params, *batch, *inputs)
+    if input_differentiable is None:
+        input_differentiable = tuple(_inexact(x) for x in inputs)
+    return Stage(
+        index=index,
+        name=fn.__name__,
+        jaxpr=closed,
+        param_leaves=tuple(range(len(params))),
+        batch_leaves=tuple(range(len(batch))),
+        in_edges=(0,) if inputs else (),
+        out_edges=(),
+        input_differentiable=tuple(input_differentiable),
+        output_differentiable=tuple(_inexact(a) for a in closed.out_avals),
+        cost=jaxpr_cost(closed),
+    )
+
+
+def _normal(key, shape, scale=0.3):
+    return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
+def run_and_check(fn, params, batch, inputs, input_differentiable=None, seed=None):
+    """Checks (a)-(d) of the split contract for one stage; returns its StageProgram."""
+    stage = make_stage(fn, params, batch, inputs, input_differentiable)
+    program = split_stage(stage)
+    args = [*params, *batch, *inputs]
+    want_outs = list(fn(*args))
+    n_out = len(want_outs)
+
+    # (a) F returns the stage outputs, then the residuals.
+    forward = jaxpr_as_fun(program.forward)(*args)
+    _close(forward[:n_out], want_outs)
+    residuals = forward[n_out:]
+    assert [(r.shape, r.dtype) for r in residuals] == [
+        (a.shape, a.dtype) for a in program.residual_avals
+    ]
+
+    # (b) B then W equals the fused BW and jax.vjp of the stage function.
+    diff_out = [k for k, flag in enumerate(stage.output_differentiable) if flag]
+    cts = [
+        jnp.asarray(seed, want_outs[k].dtype)
+        if seed is not None
+        else _normal(100 + k, want_outs[k].shape, 1.0)
+        for k in diff_out
+    ]
+    fused = jaxpr_as_fun(program.backward)(*residuals, *cts)
+    b_outs = jaxpr_as_fun(program.backward_input)(*residuals, *cts)
+    n_in = sum(stage.input_differentiable)
+    input_cts, stash = b_outs[:n_in], b_outs[n_in:]
+    assert [(s.shape, s.dtype) for s in stash] == [(a.shape, a.dtype) for a in program.stash_avals]
+    param_cts = jaxpr_as_fun(program.backward_weight)(*stash)
+    assert len(param_cts) == len(params)
+    _close(list(input_cts) + list(param_cts), fused)
+
+    diff_params = [k for k, p in enumerate(params) if _inexact(p)]
+    diff_inputs = [k for k, flag in enumerate(stage.input_differentiable) if flag]
+
+    def reference(dp, di):
+        full_params, full_inputs = list(params), list(inputs)
+        for k, v in zip(diff_params, dp, strict=True):
+            full_params[k] = v
+        for k, v in zip(diff_inputs, di, strict=True):
+            full_inputs[k] = v
+        outs = fn(*full_params, *batch, *full_inputs)
+        return [outs[k] for k in diff_out]
+
+    _, vjp = jax.vjp(reference, [params[k] for k in diff_params], [inputs[k] for k in diff_inputs])
+    ref_params, ref_inputs = vjp(cts)
+    _close(input_cts, ref_inputs)
+    _close([param_cts[k] for k in diff_params], ref_params)
+    for k, p in enumerate(params):
+        if k not in diff_params:
+            np.testing.assert_array_equal(param_cts[k], jnp.zeros_like(p))
+
+    # (c) No recomputation: B and W split BW's matmuls, F does the stage's forward matmuls.
+    assert program.flops_backward_input + program.flops_backward_weight == program.flops_backward
+    assert matmul_flops(program.backward_input) + matmul_flops(program.backward_weight) == (
+        matmul_flops(program.backward)
+    )
+    assert program.flops_forward == matmul_flops(stage.jaxpr)
+
+    # (d) W reads nothing but the stash (its inputs are exactly the stash B returns).
+    assert len(program.backward_weight.jaxpr.invars) == len(program.stash_avals)
+    assert len(program.backward_input.jaxpr.outvars) == n_in + len(program.stash_avals)
+    return program
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage functions
+# ---------------------------------------------------------------------------------------------
+
+
+def mlp(w1, b1, w2, x):
+    return (jnp.tanh(x @ w1 + b1) @ w2,)
+
+
+def _mlp_args():
+    return [_normal(1, (D, H)), _normal(2, (H,)), _normal(3, (H, D))], [_normal(4, (4, D))]
+
+
+def _layer_norm(x, scale, bias):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+
+
+def block(scale, bias, wq, wk, wv, wo, w1, w2, x):
+    h = _layer_norm(x, scale, bias)
+    q = jnp.einsum("bsd,de->bse", h, wq)
+    k = jnp.einsum("bsd,de->bse", h, wk)
+    v = jnp.einsum("bsd,de->bse", h, wv)
+    logits = jnp.einsum("bqe,bke->bqk", q, k) / jnp.sqrt(D)
+    mask = jnp.tril(jnp.ones((S, S), bool))
+    attn = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    x = x + jnp.einsum("bqk,bke,ed->bqd", attn, v, wo)
+    h = _layer_norm(x, scale, bias)
+    return (x + jax.nn.gelu(h @ w1) @ w2,)
+
+
+def _block_args():
+    params = [1.0 + _normal(10, (D,)), _normal(11, (D,))]
+    params += [_normal(12 + i, (D, D)) for i in range(4)]
+    params += [_normal(16, (D, H)), _normal(17, (H, D))]
+    return params, [_normal(18, (B, S, D))]
+
+
+def embed(table, pos, tokens):
+    # First stage: no incoming activation; the int tokens also pass through to the next stage.
+    return (table[tokens] + pos, tokens)
+
+
+def scanned_layers(ws, bs, x):
+    def layer(h, wb):
+        w, b = wb
+        return jnp.tanh(h @ w + b), None
+
+    return (jax.lax.scan(layer, x, (ws, bs))[0],)
+
+
+def loss_head(w, labels, h):
+    logits = h @ w
+    logp = jax.nn.log_softmax(logits)
+    return (-jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)),)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mlp_stage_b_then_w_equals_vjp_and_splits_matmuls_evenly():
+    params, inputs = _mlp_args()
+    program = run_and_check(mlp, params, [], inputs)
+    # B does dx for both layers and W does dW for both: one forward's worth of matmuls each.
+    assert program.flops_backward_input == program.flops_forward
+    assert program.flops_backward_weight == program.flops_forward
+    assert program.flops_forward == 2 * 4 * D * H * 2
+    # W needs the matmul inputs and the cotangents entering each matmul.
+    assert program.stash_bytes == sum(
+        jnp.zeros(a.shape, a.dtype).nbytes for a in program.stash_avals
+    )
+    assert program.cost_backward_weight > 0 and program.cost_backward_input > 0
+
+
+def test_transformer_block_with_layer_norm_softmax_and_einsum():
+    params, inputs = _block_args()
+    program = run_and_check(block, params, [], inputs)
+    # Every projection's weight gradient is W work, not B work.
+    assert program.flops_backward_weight >= 2 * B * S * (4 * D * D + 2 * D * H)
+
+
+def test_first_stage_embedding_lookup_has_no_input_cotangent_and_all_backward_is_w():
+    table, pos = _normal(20, (50, D)), _normal(21, (S, D))
+    tokens = jax.random.randint(jax.random.key(22), (B, S), 0, 50)
+    program = run_and_check(embed, [table, pos], [tokens], [])
+    assert program.stage.output_differentiable == (True, False)
+    assert len(program.backward_input.jaxpr.outvars) == len(program.stash_avals)
+    assert not program.backward_input.jaxpr.eqns  # nothing to compute before W
+
+
+def test_scan_over_stacked_weights_splits_the_backward_scan():
+    ws, bs = _normal(30, (3, D, D)), _normal(31, (3, D))
+    program = run_and_check(scanned_layers, [ws, bs], [], [_normal(32, (4, D))])
+    scans = [e for e in program.backward_weight.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans, "W should run its own scan over the stashed per-layer values"
+    assert program.flops_backward_weight == program.flops_forward
+    assert program.flops_backward_input == program.flops_forward
+
+
+def test_loss_stage_with_seed_cotangent_and_int_labels_from_the_batch():
+    labels = jax.random.randint(jax.random.key(40), (4,), 0, 10)
+    program = run_and_check(
+        loss_head, [_normal(41, (D, 10))], [labels], [_normal(42, (4, D))], seed=0.25
+    )
+    assert program.stage.jaxpr.out_avals[0].shape == ()
+
+
+def test_stage_without_params_has_an_empty_w_and_passes_an_input_through():
+    def no_params(x, y):
+        return (jnp.sin(x) * y, x)
+
+    program = run_and_check(no_params, [], [], [_normal(50, (4, D)), _normal(51, (4, D))])
+    assert not program.backward_weight.jaxpr.outvars
+    assert program.stash_avals == ()
+    assert program.flops_backward_weight == 0
+
+
+def test_param_read_twice_residual_of_params_only_constant_outputs_and_int_param():
+    def tricky(w, n, x):
+        gram = w @ w.T  # a residual that depends on parameters only
+        y = x @ gram + x @ w * n.astype(jnp.float32)
+        return (y, jnp.ones(3), jnp.float32(2.0), x)
+
+    w, n = _normal(60, (D, D)), jnp.array(3, jnp.int32)
+    program = run_and_check(tricky, [w, n], [], [_normal(61, (4, D))])
+    assert program.backward_weight.out_avals[1].dtype == jnp.int32
+
+
+def test_jitted_and_checkpointed_layers_are_inlined_so_w_gets_their_weight_gradients():
+    @jax.jit
+    def dense(w, x):
+        return jnp.tanh(x @ w)
+
+    def layers(w1, w2, x):
+        return (jax.checkpoint(dense)(w2, dense(w1, x)),)
+
+    program = run_and_check(
+        layers, [_normal(70, (D, D)), _normal(71, (D, D))], [], [_normal(72, (4, D))]
+    )
+    # The forward of the checkpointed layer is recomputed inside BW (the user asked for remat),
+    # but both weight gradients still land in W.
+    assert program.flops_backward_weight == 2 * (2 * 4 * D * D)
+
+
+def test_input_not_flagged_differentiable_gets_no_cotangent():
+    params, inputs = _mlp_args()
+    program = run_and_check(mlp, params, [], inputs, input_differentiable=(False,))
+    assert len(program.backward_input.jaxpr.outvars) == len(program.stash_avals)
+    # Without dx, BW computes the cotangent entering the second layer's matmul and both weight
+    # gradients; the first layer's dx is never computed.
+    assert program.flops_backward == 3 * 2 * 4 * D * H
+
+
+def test_residuals_are_deduplicated_and_read_by_the_backward():
+    params, inputs = _mlp_args()
+    program = split_stage(make_stage(mlp, params, [], inputs))
+    n_out = len(program.stage.jaxpr.out_avals)
+    outvars = program.forward.jaxpr.outvars[n_out:]
+    assert len(set(outvars)) == len(outvars)
+    read = {v for e in program.backward.jaxpr.eqns for v in e.invars}
+    assert all(v in read for v in program.backward.jaxpr.invars[: len(outvars)])
+    # x, w1 and w2 are residuals that merely forward a stage input.
+    assert sorted(i for i in forwarded_residuals(program) if i is not None) == [0, 2, 3]
+
+
+def test_split_graph_returns_one_program_per_stage_in_order():
+    params, inputs = _mlp_args()
+    stages = (
+        make_stage(mlp, params, [], inputs, index=0),
+        make_stage(mlp, params, [], inputs, index=1),
+    )
+    graph = StageGraph(stages, (), 1, None, None, (), ())
+    programs = split(graph)
+    assert [p.stage.index for p in programs] == [0, 1]
+    assert programs[0].flops_backward == programs[1].flops_backward
+
+
+def test_flag_on_an_integer_input_is_a_partition_error():
+    tokens = jnp.zeros((4,), jnp.int32)
+    stage = make_stage(lambda t: (t.astype(jnp.float32),), [], [], [tokens])
+    bad = Stage(**{**stage.__dict__, "input_differentiable": (True,)})
+    with pytest.raises(PartitionError, match="int32"):
+        split_stage(bad)

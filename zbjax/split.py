@@ -1,0 +1,466 @@
+"""Per-stage forward (F), input backward (B) and weight backward (W) jaxprs, without recomputation.
+
+For each ``Stage`` we differentiate its jaxpr once with ``jax.vjp``: the forward program returns
+the stage outputs plus the residuals its backward reads (the leaves of the vjp function), and the
+fused backward BW is the vjp function traced as a function of (residuals, output cotangents).
+BW's equations are then partitioned:
+
+- B = the equations the input cotangents depend on;
+- W = the remaining equations the parameter cotangents need;
+- the stash = every value W reads that B computed (or that is an input of B: a residual or an
+  output cotangent); B returns it after the input cotangents, and it is W's only input.
+
+No equation runs twice, so matmul FLOPs of B plus W equal those of BW exactly. A backward
+``scan`` (layers run with ``lax.scan``/``nn.scan``) computes both kinds of cotangent in one
+equation; it is split into a B scan, which also stacks the per-iteration values W needs, and a
+W scan over those stacked values. Nested scans inside a scan body are not split further (their
+equation goes wholly to B when B needs any of its results).
+
+The calling conventions are those of ``zbjax.stages``. Only inexact values are differentiated:
+every inexact parameter, and the incoming activations flagged ``input_differentiable``; batch
+leaves never are. A parameter that is not inexact (an integer table) gets an all-zero cotangent
+of its own shape and dtype, so W always returns one cotangent per ``param_leaves`` entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
+
+from zbjax._jax_compat import (
+    dce_closed_jaxpr,
+    inline_calls,
+    is_drop_var,
+    is_literal,
+    make_closed_jaxpr,
+    new_var,
+    replace_equation,
+)
+from zbjax.cost_model import avals_bytes, jaxpr_cost, matmul_flops
+from zbjax.errors import PartitionError
+from zbjax.stages import Stage, StageGraph, StageProgram
+
+
+def split(graph: StageGraph) -> tuple[StageProgram, ...]:
+    """Returns the F/B/W/BW programs of every stage of ``graph``, in stage order."""
+    return tuple(split_stage(stage) for stage in graph.stages)
+
+
+def split_stage(stage: Stage) -> StageProgram:
+    """Returns the stage's forward, split backward (B, W) and fused backward programs."""
+    roles = _differentiation_roles(stage)
+    forward, backward = _forward_and_backward(stage, roles)
+    backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
+    residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
+    stash_avals = tuple(_sds(a) for a in backward_weight.in_avals)
+    num_params = len(stage.param_leaves)
+    return StageProgram(
+        stage=stage,
+        forward=forward,
+        backward_input=backward_input,
+        backward_weight=backward_weight,
+        backward=backward,
+        residual_avals=residual_avals,
+        stash_avals=stash_avals,
+        cost_forward=jaxpr_cost(forward),
+        cost_backward_input=jaxpr_cost(backward_input),
+        cost_backward_weight=jaxpr_cost(backward_weight),
+        flops_forward=matmul_flops(forward),
+        flops_backward_input=matmul_flops(backward_input),
+        flops_backward_weight=matmul_flops(backward_weight),
+        flops_backward=matmul_flops(backward),
+        param_bytes=avals_bytes(stage.jaxpr.in_avals[:num_params]),
+        activation_bytes=avals_bytes(residual_avals),
+        stash_bytes=avals_bytes(stash_avals),
+    )
+
+
+def forwarded_residuals(program: StageProgram) -> tuple[int | None, ...]:
+    """Returns, per residual, the index of the forward input it merely forwards, else None.
+
+    Residuals that are a parameter (the ``A`` of ``x @ A`` that B needs for ``dy @ A.T``) or a
+    batch leaf are already resident where B runs; a lowering may read them from there instead of
+    storing them per microbatch. Indices are positions in ``Stage.jaxpr``'s inputs.
+    """
+    jaxpr = program.forward.jaxpr
+    num_outputs = len(program.stage.jaxpr.out_avals)
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    return tuple(None if is_literal(v) else position.get(v) for v in jaxpr.outvars[num_outputs:])
+
+
+@dataclass(frozen=True)
+class _Roles:
+    """Which stage inputs and outputs are differentiated, as positions in the flat lists."""
+
+    input_positions: tuple[int, ...]  # inputs given a cotangent (B's outputs), in order
+    param_positions: tuple[int, ...]  # inexact params (the rest get zero cotangents)
+    output_positions: tuple[int, ...]  # outputs that receive a cotangent
+    num_params: int
+
+
+def _differentiation_roles(stage: Stage) -> _Roles:
+    in_avals, out_avals = stage.jaxpr.in_avals, stage.jaxpr.out_avals
+    num_params, num_batch = len(stage.param_leaves), len(stage.batch_leaves)
+    first_input = num_params + num_batch
+    num_inputs = len(in_avals) - first_input
+    if num_inputs != len(stage.input_differentiable) or len(out_avals) != len(
+        stage.output_differentiable
+    ):
+        raise PartitionError(
+            f"stage {stage.index} ({stage.name!r}) has {len(in_avals)} jaxpr inputs and "
+            f"{len(out_avals)} outputs, but {num_params} params + {num_batch} batch leaves + "
+            f"{len(stage.input_differentiable)} input flags and "
+            f"{len(stage.output_differentiable)} output flags; build the Stage with one flag "
+            "per incoming and outgoing value"
+        )
+    for kind, avals, flags, offset in (
+        ("input", in_avals, stage.input_differentiable, first_input),
+        ("output", out_avals, stage.output_differentiable, 0),
+    ):
+        for k, flag in enumerate(flags):
+            if flag and not _inexact(avals[offset + k]):
+                raise PartitionError(
+                    f"stage {stage.index} ({stage.name!r}) flags {kind} {k} of type "
+                    f"{avals[offset + k].str_short()} as differentiable; only floating "
+                    "values have cotangents, so set its flag to False"
+                )
+    return _Roles(
+        input_positions=tuple(
+            first_input + k for k, flag in enumerate(stage.input_differentiable) if flag
+        ),
+        param_positions=tuple(k for k in range(num_params) if _inexact(in_avals[k])),
+        output_positions=tuple(k for k, flag in enumerate(stage.output_differentiable) if flag),
+        num_params=num_params,
+    )
+
+
+def _forward_and_backward(stage: Stage, roles: _Roles) -> tuple[ClosedJaxpr, ClosedJaxpr]:
+    """Returns F (inputs -> outputs, residuals) and BW ((residuals, cts) -> (in cts, param cts))."""
+    stage_fn = jaxpr_as_fun(stage.jaxpr)
+    diff_positions = roles.input_positions + roles.param_positions
+    num_outputs = len(stage.jaxpr.out_avals)
+    captured: dict[str, Any] = {}
+
+    def forward(*args: Any) -> list[Any]:
+        def differentiable(*diff_values: Any) -> tuple[list, list]:
+            full = list(args)
+            for position, value in zip(diff_positions, diff_values, strict=True):
+                full[position] = value
+            outs = stage_fn(*full)
+            aux = [o for k, o in enumerate(outs) if k not in roles.output_positions]
+            return [outs[k] for k in roles.output_positions], aux
+
+        primals = [args[p] for p in diff_positions]
+        diff_outs, vjp_fn, aux = jax.vjp(differentiable, *primals, has_aux=True)
+        leaves, captured["treedef"] = jax.tree_util.tree_flatten(vjp_fn)
+        captured["is_traced"] = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
+        captured["leaves"] = leaves
+        outs = _merge(diff_outs, aux, roles.output_positions, num_outputs)
+        return outs + [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)]
+
+    forward_full = jax.make_jaxpr(forward)(*(_sds(a) for a in stage.jaxpr.in_avals))
+    # Residual leaves that turned out constant (a literal or a captured array) are baked into
+    # the backward; the others are deduplicated by the forward variable they hold.
+    slots, residual_vars = _residual_slots(forward_full, num_outputs, captured)
+    unique_avals = [v.aval for v in residual_vars]
+    ct_avals = [stage.jaxpr.out_avals[k] for k in roles.output_positions]
+
+    def backward(residuals: list, cotangents: list) -> list[Any]:
+        leaves = [residuals[s] if isinstance(s, int) else s.value for s in slots]
+        vjp_fn = jax.tree_util.tree_unflatten(captured["treedef"], leaves)
+        grads = list(vjp_fn(list(cotangents))) if diff_positions else []
+        input_cts = grads[: len(roles.input_positions)]
+        by_param = dict(
+            zip(roles.param_positions, grads[len(roles.input_positions) :], strict=True)
+        )
+        param_avals = stage.jaxpr.in_avals[: roles.num_params]
+        param_cts = [
+            by_param[k] if k in by_param else jnp.zeros(a.shape, a.dtype)
+            for k, a in enumerate(param_avals)
+        ]
+        return input_cts + param_cts
+
+    backward_full = jax.make_jaxpr(backward)(
+        [_sds(a) for a in unique_avals], [_sds(a) for a in ct_avals]
+    )
+    forward_unique = make_closed_jaxpr(
+        forward_full.jaxpr.invars,
+        list(forward_full.jaxpr.outvars[:num_outputs]) + residual_vars,
+        forward_full.jaxpr.eqns,
+        forward_full.jaxpr.constvars,
+        forward_full.consts,
+    )
+    return _drop_unread_residuals(forward_unique, backward_full, num_outputs)
+
+
+@dataclass(frozen=True)
+class _Constant:
+    value: Any
+
+
+def _residual_slots(
+    forward: ClosedJaxpr, num_outputs: int, captured: dict
+) -> tuple[list[int | _Constant], list[Var]]:
+    """Returns per vjp leaf its unique-residual index (or constant) and the unique residuals."""
+    jaxpr = forward.jaxpr
+    const_of = dict(zip(jaxpr.constvars, forward.consts, strict=True))
+    traced_outvars = iter(jaxpr.outvars[num_outputs:])
+    index: dict[Var, int] = {}
+    residual_vars: list[Var] = []
+    slots: list[int | _Constant] = []
+    for leaf, traced in zip(captured["leaves"], captured["is_traced"], strict=True):
+        if not traced:
+            slots.append(_Constant(leaf))
+            continue
+        atom = next(traced_outvars)
+        if is_literal(atom):
+            slots.append(_Constant(atom.val))
+        elif atom in const_of:
+            slots.append(_Constant(const_of[atom]))
+        else:
+            if atom not in index:
+                index[atom] = len(residual_vars)
+                residual_vars.append(atom)
+            slots.append(index[atom])
+    return slots, residual_vars
+
+
+def _drop_unread_residuals(
+    forward: ClosedJaxpr, backward: ClosedJaxpr, num_outputs: int
+) -> tuple[ClosedJaxpr, ClosedJaxpr]:
+    """Returns F and BW keeping only the residuals BW reads; BW is inlined and DCE'd."""
+    backward = inline_calls(backward)
+    backward = dce_closed_jaxpr(backward, [True] * len(backward.jaxpr.outvars))
+    num_residuals = len(forward.jaxpr.outvars) - num_outputs
+    read = _read_vars(backward.jaxpr.eqns, backward.jaxpr.outvars)
+    keep = [v in read for v in backward.jaxpr.invars[:num_residuals]]
+    forward = dce_closed_jaxpr(forward, [True] * num_outputs + keep)
+    invars = [v for v, k in zip(backward.jaxpr.invars[:num_residuals], keep, strict=True) if k]
+    backward = make_closed_jaxpr(
+        invars + list(backward.jaxpr.invars[num_residuals:]),
+        backward.jaxpr.outvars,
+        backward.jaxpr.eqns,
+        backward.jaxpr.constvars,
+        backward.consts,
+    )
+    return forward, backward
+
+
+def _num_residuals(forward: ClosedJaxpr, stage: Stage) -> int:
+    return len(forward.jaxpr.outvars) - len(stage.jaxpr.out_avals)
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting BW into B and W
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_backward(backward: ClosedJaxpr, num_input_cts: int) -> tuple[ClosedJaxpr, ClosedJaxpr]:
+    """Returns (B, W): B = BW's input-cotangent equations plus the stash, W = the rest."""
+    jaxpr = backward.jaxpr
+    b_out = list(jaxpr.outvars[:num_input_cts])
+    w_out = list(jaxpr.outvars[num_input_cts:])
+    eqns = list(jaxpr.eqns)
+    already_split: set[int] = set()
+    while True:
+        in_b, b_needed = _live(eqns, b_out, exclude=frozenset(), keep_effects=True)
+        in_w, w_needed = _live(eqns, w_out, exclude=in_b)
+        target = _scan_to_split(eqns, in_b, b_needed, w_needed, already_split)
+        if target is None:
+            break
+        index, pieces = target
+        eqns[index : index + 1] = pieces
+        already_split.add(id(pieces[0]))
+
+    b_eqns = [eqns[i] for i in sorted(in_b)]
+    w_eqns = [eqns[i] for i in sorted(in_w)]
+    b_defined = set(jaxpr.invars).union(*(_defined(e) for e in b_eqns))
+    # Deterministic stash order: B's inputs first, then values in the order B computes them.
+    candidates = list(jaxpr.invars) + [v for e in b_eqns for v in e.outvars]
+    stash = list(dict.fromkeys(v for v in candidates if v in w_needed and v in b_defined))
+    constvars, consts = jaxpr.constvars, backward.consts
+    b = make_closed_jaxpr(
+        jaxpr.invars, b_out + stash, b_eqns, *_used_consts(constvars, consts, b_eqns, b_out)
+    )
+    w = make_closed_jaxpr(stash, w_out, w_eqns, *_used_consts(constvars, consts, w_eqns, w_out))
+    return b, w
+
+
+def _scan_to_split(
+    eqns: list, in_b: set[int], b_needed: set, w_needed: set, already_split: set[int]
+) -> tuple[int, list] | None:
+    """Returns (index, replacement equations) for a B scan that also computes W-only results."""
+    for i in sorted(in_b):
+        eqn = eqns[i]
+        if eqn.primitive.name != "scan" or id(eqn) in already_split:
+            continue
+        wants = {v for v in eqn.outvars if v in w_needed and v not in b_needed}
+        if not wants:
+            continue
+        pieces = _split_scan(eqn, b_needed, wants)
+        return i, pieces if pieces is not None else [eqn]
+    return None
+
+
+def _split_scan(eqn: Any, b_needed: set, w_wants: set) -> list | None:
+    """Returns [B scan, W scan] computing what B needs (plus a per-iteration stash) and the rest.
+
+    Returns None when everything W wants from the scan is already produced by its B part.
+    """
+    params = eqn.params
+    body: ClosedJaxpr = params["jaxpr"]
+    bj = body.jaxpr
+    nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+    c_in, k_in, x_in = bj.invars[:nc], bj.invars[nc : nc + nk], bj.invars[nc + nk :]
+    k_out, y_out = bj.outvars[:nk], bj.outvars[nk:]
+    o_consts, o_init, o_xs = eqn.invars[:nc], eqn.invars[nc : nc + nk], eqn.invars[nc + nk :]
+    o_kf, o_ys = eqn.outvars[:nk], eqn.outvars[nk:]
+
+    # B's carries: those B needs at the end, closed under "the body reads the carry".
+    kb = {i for i in range(nk) if o_kf[i] in b_needed}
+    yb = {j for j in range(len(y_out)) if o_ys[j] in b_needed}
+    while True:
+        live_b, need_b = _live(bj.eqns, [k_out[i] for i in kb] + [y_out[j] for j in yb])
+        grown = kb | {i for i in range(nk) if k_in[i] in need_b}
+        if grown == kb:
+            break
+        kb = grown
+    b_available = (set(c_in) | {k_in[i] for i in kb} | set(x_in) | set(bj.constvars)).union(
+        *(_defined(bj.eqns[i]) for i in live_b)
+    )
+    wanted = b_needed | w_wants
+    yb |= {
+        j for j, v in enumerate(y_out) if o_ys[j] in wanted and (is_literal(v) or v in b_available)
+    }
+
+    kr = {i for i in range(nk) if o_kf[i] in w_wants} - kb
+    yr = {j for j in range(len(y_out)) if o_ys[j] in w_wants} - yb
+    if not kr and not yr:
+        return None
+    while True:
+        live_r, need_r = _live(
+            bj.eqns, [k_out[i] for i in kr] + [y_out[j] for j in yr], exclude=live_b
+        )
+        grown = kr | {i for i in range(nk) if k_in[i] in need_r and i not in kb}
+        if grown == kr:
+            break
+        kr = grown
+
+    b_carried = [k_in[i] for i in sorted(kb)]
+    b_computed = [v for i in sorted(live_b) for v in bj.eqns[i].outvars]
+    stash = list(dict.fromkeys(v for v in b_carried + b_computed if v in need_r))
+    stacked = [new_var(v.aval.update(shape=(length, *v.aval.shape))) for v in stash]
+
+    b_consts = [k for k in range(nc) if c_in[k] in need_b]
+    b_xs = [k for k in range(len(x_in)) if x_in[k] in need_b]
+    b_body = make_closed_jaxpr(
+        [c_in[k] for k in b_consts] + b_carried + [x_in[k] for k in b_xs],
+        [k_out[i] for i in sorted(kb)] + [y_out[j] for j in sorted(yb)] + stash,
+        [bj.eqns[i] for i in sorted(live_b)],
+        bj.constvars,
+        body.consts,
+    )
+    b_eqn = _scan_equation(
+        eqn,
+        b_body,
+        [o_consts[k] for k in b_consts] + [o_init[i] for i in sorted(kb)] + [o_xs[k] for k in b_xs],
+        [o_kf[i] for i in sorted(kb)] + [o_ys[j] for j in sorted(yb)] + stacked,
+        num_consts=len(b_consts),
+        num_carry=len(kb),
+    )
+
+    r_consts = [k for k in range(nc) if c_in[k] in need_r]
+    r_xs = [k for k in range(len(x_in)) if x_in[k] in need_r]
+    r_body = make_closed_jaxpr(
+        [c_in[k] for k in r_consts]
+        + [k_in[i] for i in sorted(kr)]
+        + [x_in[k] for k in r_xs]
+        + stash,
+        [k_out[i] for i in sorted(kr)] + [y_out[j] for j in sorted(yr)],
+        [bj.eqns[i] for i in sorted(live_r)],
+        bj.constvars,
+        body.consts,
+    )
+    r_eqn = _scan_equation(
+        eqn,
+        r_body,
+        [o_consts[k] for k in r_consts]
+        + [o_init[i] for i in sorted(kr)]
+        + [o_xs[k] for k in r_xs]
+        + stacked,
+        [o_kf[i] for i in sorted(kr)] + [o_ys[j] for j in sorted(yr)],
+        num_consts=len(r_consts),
+        num_carry=len(kr),
+    )
+    return [b_eqn, r_eqn]
+
+
+def _scan_equation(
+    eqn: Any, body: ClosedJaxpr, invars: list, outvars: list, num_consts: int, num_carry: int
+) -> Any:
+    params = dict(eqn.params, jaxpr=body, num_consts=num_consts, num_carry=num_carry)
+    if "linear" in params:
+        params["linear"] = (False,) * len(invars)
+    return replace_equation(eqn, invars, outvars, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small jaxpr utilities
+# ---------------------------------------------------------------------------------------------
+
+
+def _live(
+    eqns: Sequence[Any],
+    outvars: Iterable[Any],
+    exclude: frozenset[int] | set[int] = frozenset(),
+    keep_effects: bool = False,
+) -> tuple[set[int], set]:
+    """Returns (indices of equations the outvars need, every variable they read), skipping
+    ``exclude``d equations (their results count as available)."""
+    needed = {v for v in outvars if not is_literal(v)}
+    live: set[int] = set()
+    for i in reversed(range(len(eqns))):
+        if i in exclude:
+            continue
+        eqn = eqns[i]
+        if (keep_effects and eqn.effects) or any(v in needed for v in _defined(eqn)):
+            live.add(i)
+            needed.update(v for v in eqn.invars if not is_literal(v))
+    return live, needed
+
+
+def _defined(eqn: Any) -> set:
+    return {v for v in eqn.outvars if not is_drop_var(v)}
+
+
+def _read_vars(eqns: Sequence[Any], outvars: Sequence[Any]) -> set:
+    read = {v for v in outvars if not is_literal(v)}
+    for eqn in eqns:
+        read.update(v for v in eqn.invars if not is_literal(v))
+    return read
+
+
+def _used_consts(
+    constvars: Sequence[Var], consts: Sequence[Any], eqns: Sequence[Any], outvars: Sequence[Any]
+) -> tuple[list, list]:
+    read = _read_vars(eqns, outvars)
+    pairs = [(v, c) for v, c in zip(constvars, consts, strict=True) if v in read]
+    return [v for v, _ in pairs], [c for _, c in pairs]
+
+
+def _merge(diff: list, aux: list, diff_positions: Sequence[int], total: int) -> list:
+    diff_iter, aux_iter = iter(diff), iter(aux)
+    return [next(diff_iter) if k in diff_positions else next(aux_iter) for k in range(total)]
+
+
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _sds(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
