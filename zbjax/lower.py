@@ -17,6 +17,7 @@ parallel) stay with the compiler.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
+from zbjax.errors import ScheduleError
 from zbjax.params import (
     StagedLayout,
     StagedParams,
@@ -182,6 +184,17 @@ def lower(
 ) -> Lowering:
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``."""
     programs = tuple(programs)
+    missing = tuple(pair for pair in graph.edge_pairs if pair not in schedule.edges)
+    if missing:
+        if any(a >= b for a, b in missing):
+            raise ScheduleError(
+                f"the stage graph has edges {list(missing)} that schedule {schedule.name!r} "
+                f"(edges {list(schedule.edges)}) does not know and that go backwards in stage "
+                "order; build the schedule with edges=graph.edge_pairs"
+            )
+        # A skip edge i -> j (i < j) of the graph is implied by a chain schedule's order;
+        # adding it lets the tick tables route its messages.
+        schedule = dataclasses.replace(schedule, edges=schedule.edges + missing)
     tables = tick_tables(schedule, message_edges(graph))
     layout = staged_layout(
         graph.param_avals,

@@ -1,0 +1,402 @@
+"""``zbjax.pipeline``: the public transform from a loss function to a pipelined training step.
+
+``pipe = zbjax.pipeline(loss_fn, mesh=mesh, axis_name="pp", schedule="zb-h1",
+num_microbatches=8)`` returns a ``Pipeline``. The first call with given input shapes traces
+``loss_fn`` on one microbatch, partitions it into stages, splits each stage's backward into B
+and W, builds the schedule and lowers everything into one jitted ``shard_map`` program; later
+calls with the same shapes reuse it. ``pipe.value_and_grad(params, batch)`` equals
+``jax.value_and_grad(loss_fn)(params, batch)`` (the loss is the mean over microbatches).
+
+Choices a careful user would want to know:
+
+- ``num_stages`` defaults to the marker count + 1 when ``loss_fn`` has ``stage_boundary``
+  markers, else to the pp axis size (twice that for ``zb-v`` and ``interleaved-1f1b``).
+- The pipeline binds to the params structure it first sees; later calls must pass params of
+  the same tree and shapes, in the user layout or the staged one (``pipe.stage(params)``).
+  Grads come back in the layout given. Staged params are what keep each device's parameter
+  memory to its own stages; user-layout params are replicated into the program.
+- The batch's microbatch rows are sharded over every other mesh axis (data parallelism) when
+  they divide evenly; the compiler averages the gradients over those axes.
+- Nothing is donated: the step returns gradients and leaves params to the caller's optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zbjax import schedules
+from zbjax.errors import PipelineError, ScheduleError
+from zbjax.lower import Lowering, lower
+from zbjax.microbatch import microbatch_keys, split_microbatches
+from zbjax.params import StagedParams, stage_leaves, unstage_gradients, unstage_leaves
+from zbjax.partition import partition, stage_summary
+from zbjax.schedules.ir import Costs, Schedule
+from zbjax.split import split
+from zbjax.stages import StageGraph, StageProgram
+
+#: Schedules that put two stages on every device.
+TWO_STAGES_PER_DEVICE = ("zb-v", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class _Built:
+    """One compiled variant of the step: for one set of input shapes."""
+
+    graph: StageGraph
+    programs: tuple[StageProgram, ...]
+    schedule: Schedule
+    lowering: Lowering
+    step: Callable[..., Any]  # jitted (params or staged, batch, key) -> (loss, grads)
+
+
+def _avals(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _shapes_text(avals: Any) -> str:
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+
+
+class Pipeline:
+    """A pipelined ``value_and_grad`` of ``loss_fn`` over a mesh axis (see ``pipeline``)."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        mesh: Any,
+        axis_name: str = "pp",
+        schedule: str | Schedule = "zb-h1",
+        num_microbatches: int = 8,
+        num_stages: int | None = None,
+        costs: Costs | None = None,
+        mem_limit: float | None = None,
+        w_mem: float = 0.5,
+    ):
+        if axis_name not in mesh.axis_names:
+            raise PipelineError(
+                f"mesh has axes {tuple(mesh.axis_names)} but no axis named {axis_name!r}; "
+                f"pass axis_name= one of {tuple(mesh.axis_names)} or build the mesh with a "
+                f"{axis_name!r} axis"
+            )
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise PipelineError(f"num_microbatches={num_microbatches!r}; it must be an int >= 1")
+        if isinstance(schedule, str) and schedule not in schedules.SCHEDULE_NAMES:
+            raise ScheduleError(
+                f"unknown schedule {schedule!r}; choose one of: "
+                f"{', '.join(schedules.SCHEDULE_NAMES)} or pass a zbjax.schedules.Schedule"
+            )
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.num_devices = int(mesh.shape[axis_name])
+        self.schedule_spec = schedule
+        self.num_microbatches = num_microbatches
+        self.num_stages = num_stages
+        self.costs = costs
+        self.mem_limit = mem_limit
+        self.w_mem = w_mem
+        if isinstance(schedule, Schedule):
+            self._check_schedule(schedule)
+        self._params_avals: tuple | None = None
+        self._params_treedef: Any = None
+        self._built: dict[Any, _Built] = {}
+        self._last: _Built | None = None
+
+    # ------------------------------------------------------------------ public surface
+
+    def value_and_grad(self, params: Any, batch: Any, key: jax.Array | None = None):
+        """Returns (mean loss over microbatches, grads in the layout ``params`` came in).
+
+        With ``key``, ``loss_fn`` is called as ``loss_fn(params, microbatch, key_i)`` with
+        ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i``.
+        """
+        built = self._get(params, batch, key)
+        return built.step(params, batch, key)
+
+    def lower(self, params: Any, batch: Any, key: jax.Array | None = None) -> jax.stages.Lowered:
+        """Returns the jitted step's ``Lowered`` for these inputs (``.compile()`` works)."""
+        built = self._get(params, batch, key)
+        return built.step.lower(params, batch, key)
+
+    def stage(self, params: Any) -> StagedParams:
+        """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``."""
+        built = self._require_built("stage")
+        leaves = self._check_params(params)
+        staged = stage_leaves(built.lowering.layout, leaves)
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+        return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
+
+    def unstage(self, staged: StagedParams) -> Any:
+        """Returns the user-layout params (or, for grads, use ``value_and_grad``) of ``staged``."""
+        built = self._require_built("unstage")
+        self._check_staged(staged, built)
+        leaves = unstage_leaves(built.lowering.layout, staged)
+        return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
+
+    def report(self) -> str:
+        """Returns stages, schedule grid, simulated bubble rate and compiled per-device memory."""
+        built = self._require_built("report")
+        low = built.lowering
+        costs = _program_costs(built.programs)
+        sim = schedules.simulate(built.schedule, costs)
+        res_bytes, msg_bytes = low.slot_bytes()
+        lines = [
+            f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
+            f"{self.num_devices} devices (axis {self.axis_name!r}), "
+            f"{self.num_microbatches} microbatches",
+            "",
+            "stages:",
+            stage_summary(built.graph),
+            "",
+            "schedule (simulated with the stage programs' cost estimates):",
+            schedules.text_grid(built.schedule, sim),
+            "",
+            f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
+            f"lockstep ticks: {low.tables.num_ticks}; residual slots per device: "
+            f"{low.tables.num_residual_slots} x {res_bytes:,} B; message slots: "
+            f"{low.tables.num_message_slots} x {msg_bytes:,} B",
+            f"staged params per device: {low.layout.bytes_per_device():,} B",
+        ]
+        if self._last_inputs is not None:
+            compiled = built.step.lower(*self._last_inputs).compile()
+            mem = compiled.memory_analysis()
+            if mem is not None:
+                lines.append(
+                    "compiled per-device memory: "
+                    f"arguments {mem.argument_size_in_bytes:,} B, "
+                    f"outputs {mem.output_size_in_bytes:,} B, "
+                    f"temporaries {mem.temp_size_in_bytes:,} B"
+                )
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ building
+
+    _last_inputs: tuple | None = None
+
+    def _require_built(self, what: str) -> _Built:
+        if self._last is None:
+            raise PipelineError(
+                f"pipe.{what}() needs the traced program, which is built on the first call; "
+                "call pipe.value_and_grad(params, batch) (or pipe.lower(params, batch)) first"
+            )
+        return self._last
+
+    def _check_params(self, params: Any) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        avals = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+        if self._params_treedef is None:
+            self._params_treedef, self._params_avals = treedef, avals
+        elif treedef != self._params_treedef or avals != self._params_avals:
+            raise PipelineError(
+                "params do not match the structure this pipeline was traced with:\n"
+                f"  expected tree {self._params_treedef}\n  given tree    {treedef}\n"
+                f"  expected shapes {_shapes_text(self._params_avals)}\n"
+                f"  given shapes    {_shapes_text(avals)}\n"
+                "pass params with the same structure, or build a new zbjax.pipeline"
+            )
+        return leaves
+
+    def _check_staged(self, staged: StagedParams, built: _Built) -> None:
+        layout = built.lowering.layout
+        want = [(layout.num_devices, n) for n in layout.row_size]
+        got = [tuple(np.shape(r)) for r in staged.rows]
+        if tuple(staged.dtypes) != layout.dtypes or got != want:
+            raise PipelineError(
+                f"staged params have rows {list(zip(staged.dtypes, got, strict=True))} but "
+                f"this pipeline's layout is {list(zip(layout.dtypes, want, strict=True))}; "
+                "pass the output of this pipeline's pipe.stage(params)"
+            )
+
+    def _get(self, params: Any, batch: Any, key: Any) -> _Built:
+        if isinstance(params, StagedParams):
+            built = self._require_built("value_and_grad with staged params")
+            self._check_staged(params, built)
+            params_avals = jax.tree_util.tree_unflatten(self._params_treedef, self._params_avals)
+        else:
+            self._check_params(params)
+            params_avals = _avals(params)
+        micro = self._microbatch_avals(batch)
+        key_aval = None if key is None else jax.ShapeDtypeStruct(np.shape(key), key.dtype)
+        cache_key = (
+            jax.tree_util.tree_structure(batch),
+            tuple(jax.tree.leaves(_avals(batch))),
+            None if key_aval is None else (key_aval.shape, str(key_aval.dtype)),
+        )
+        if cache_key not in self._built:
+            self._built[cache_key] = self._build(params_avals, micro, key_aval)
+        built = self._built[cache_key]
+        if self._last is not None and self._last.lowering.layout != built.lowering.layout:
+            raise PipelineError(
+                "this batch shape partitions the model into different stages than before, so "
+                "the staged params layout would change; keep the batch shape fixed or build a "
+                "new zbjax.pipeline"
+            )
+        self._last = built
+        self._last_inputs = (params, batch, key)
+        return built
+
+    def _microbatch_avals(self, batch: Any) -> Any:
+        """Returns one microbatch's avals; raises PipelineError when rows do not divide."""
+        stacked = jax.eval_shape(lambda b: split_microbatches(b, self.num_microbatches), batch)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+
+    def _build(self, params_avals: Any, micro: Any, key_aval: Any) -> _Built:
+        graph = self._partition(params_avals, micro, key_aval)
+        programs = split(graph)
+        schedule = self._schedule(graph, programs)
+        lowering = lower(graph, programs, schedule, self.mesh, self.axis_name)
+        step = jax.jit(self._step_fn(lowering, graph, key_aval is not None))
+        return _Built(graph, programs, schedule, lowering, step)
+
+    def _partition(self, params_avals: Any, micro: Any, key_aval: Any) -> StageGraph:
+        num_stages = self.num_stages
+        if num_stages is None:
+            # Markers decide when there are any; otherwise one stage per device (two for V).
+            graph = partition(self.loss_fn, params_avals, micro, key=key_aval)
+            if graph.num_stages > 1:
+                return graph
+            num_stages = self.num_devices * (
+                2 if self.schedule_name in TWO_STAGES_PER_DEVICE else 1
+            )
+        return partition(self.loss_fn, params_avals, micro, num_stages=num_stages, key=key_aval)
+
+    @property
+    def schedule_name(self) -> str:
+        spec = self.schedule_spec
+        return spec.name if isinstance(spec, Schedule) else spec
+
+    def _schedule(self, graph: StageGraph, programs: tuple[StageProgram, ...]) -> Schedule:
+        spec = self.schedule_spec
+        if isinstance(spec, Schedule):
+            schedule = spec
+        else:
+            options = {}
+            costs = self.costs
+            if spec == "zb-auto":
+                costs = costs or _program_costs(programs)
+                options["edges"] = graph.edge_pairs
+            elif graph.edge_pairs != schedules.chain_edges(graph.num_stages) and not all(
+                a < b for a, b in graph.edge_pairs
+            ):
+                raise PipelineError(
+                    f"the stage graph has edges {list(graph.edge_pairs)}, which a chain "
+                    f"schedule ({spec}) cannot order; use schedule='zb-auto' or a Schedule "
+                    "built for this graph"
+                )
+            if spec in TWO_STAGES_PER_DEVICE and graph.num_stages != 2 * self.num_devices:
+                raise ScheduleError(
+                    f"{spec} needs 2 stages per device: {2 * self.num_devices} stages on the "
+                    f"{self.num_devices} devices of axis {self.axis_name!r}, but the model has "
+                    f"{graph.num_stages}; pass num_stages={2 * self.num_devices} (or place "
+                    "that many markers) or choose a schedule with one stage per device"
+                )
+            schedule = schedules.build(
+                spec,
+                graph.num_stages,
+                self.num_microbatches,
+                num_devices=self.num_devices,
+                costs=costs,
+                mem_limit=self.mem_limit,
+                w_mem=self.w_mem,
+                **options,
+            )
+        self._check_schedule(schedule, graph)
+        return schedule
+
+    def _check_schedule(self, schedule: Schedule, graph: StageGraph | None = None) -> None:
+        if schedule.num_devices != self.num_devices:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs on {schedule.num_devices} devices but mesh "
+                f"axis {self.axis_name!r} has {self.num_devices}; build the schedule with "
+                f"num_devices={self.num_devices}"
+            )
+        if schedule.num_microbatches != self.num_microbatches:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} has {schedule.num_microbatches} microbatches but "
+                f"the pipeline splits the batch into num_microbatches={self.num_microbatches}"
+            )
+        if graph is not None and schedule.num_stages != graph.num_stages:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages but the model "
+                f"was partitioned into {graph.num_stages}; build the schedule with "
+                f"num_stages={graph.num_stages} or pass num_stages={schedule.num_stages}"
+            )
+
+    def _step_fn(self, low: Lowering, graph: StageGraph, with_key: bool):
+        m = self.num_microbatches
+        mesh, axis = self.mesh, self.axis_name
+        data_axes = tuple(a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1)
+        data_size = math.prod(mesh.shape[a] for a in data_axes)
+        treedef = self._params_treedef
+
+        def step(params, batch, key):
+            staged_input = isinstance(params, StagedParams)
+            staged = params if staged_input else stage_leaves(low.layout, jax.tree.leaves(params))
+            stacked = split_microbatches(batch, m)
+            if with_key:
+                stacked = (stacked, microbatch_keys(key, m))
+            leaves = jax.tree.leaves(stacked)
+            if data_axes:
+                leaves = [_shard_rows(x, mesh, data_axes, data_size) for x in leaves]
+            loss, grads = low.step(staged, leaves)
+            if staged_input:
+                return loss, grads
+            return loss, jax.tree_util.tree_unflatten(treedef, unstage_gradients(low.layout, grads))
+
+        return step
+
+
+def _shard_rows(x: jax.Array, mesh: Any, data_axes: tuple[str, ...], size: int) -> jax.Array:
+    """Returns ``x`` ([m, rows, ...]) with rows sharded over the data axes when they divide."""
+    if x.ndim < 2 or x.shape[1] % size:
+        return x
+    spec = PartitionSpec(None, data_axes)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _program_costs(programs: tuple[StageProgram, ...]) -> Costs:
+    """Returns per-stage F/B/W costs from the stage programs' estimates."""
+    return Costs(
+        f=tuple(p.cost_forward for p in programs),
+        b=tuple(p.cost_backward_input for p in programs),
+        w=tuple(p.cost_backward_weight for p in programs),
+    )
+
+
+def pipeline(
+    loss_fn: Callable[..., Any],
+    *,
+    mesh: Any,
+    axis_name: str = "pp",
+    schedule: str | Schedule = "zb-h1",
+    num_microbatches: int = 8,
+    num_stages: int | None = None,
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+    w_mem: float = 0.5,
+) -> Pipeline:
+    """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
+
+    ``schedule`` is a name (``zbjax.schedules.SCHEDULE_NAMES``) or a prebuilt ``Schedule``;
+    ``costs``, ``mem_limit`` and ``w_mem`` go to ``schedules.build`` (zb-auto takes its costs
+    from the stage programs' estimates when ``costs`` is None).
+    """
+    return Pipeline(
+        loss_fn,
+        mesh=mesh,
+        axis_name=axis_name,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        num_stages=num_stages,
+        costs=costs,
+        mem_limit=mem_limit,
+        w_mem=w_mem,
+    )
