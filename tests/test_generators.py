@@ -238,3 +238,14 @@ def test_zb_auto_is_built_validated_and_records_its_limit():
     r = simulate(s, costs)
     assert max(r.peak_memory) <= 4.0
     assert r.bubble_rate <= simulate(build("1f1b", 4, 8), costs).bubble_rate + 1e-9
+
+
+def test_every_schedule_builds_without_deadlock_for_small_shapes_and_any_m():
+    # build() validates: any deadlock or broken rule would raise here.
+    for m in range(1, 14):
+        for p in range(1, 7):
+            for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+                build(name, p, m)
+            build("zb-v", 2 * p, m)
+            for v in range(1, 5):
+                build("interleaved-1f1b", v * p, m, num_devices=p)

@@ -8,8 +8,8 @@ M_B units of one stage, ``w_mem`` = 0.5; m microbatches, p devices):
 - ``1f1b``: device d runs p-d-1 warm-up F, then F/BW pairs. Bubble (p-1)/(m+p-1); peak p.
 - ``interleaved-1f1b``: v stages per device in loop placement (stage s on device s % p),
   Megatron-LM's order: microbatches in rounds of p, each round through every local stage.
-  Bubble (p-1)/(v*m+p-1) when m is a multiple of p; any m >= 1 runs (fewer full rounds cost
-  a larger bubble).
+  Bubble (p-1)/(v*m+p-1) when m is a multiple of p. Other m >= 1 run the order built for
+  the next multiple of p with the extra microbatches left out (a larger bubble).
 - ``zb-h1``: the F/B order of 1F1B with one more warm-up F, W split out and run whenever the
   next F/B is not ready yet or an F would pass p M_B. Bubble (p-1)/(3m+p-1) for m >= p;
   peak p.
@@ -98,17 +98,17 @@ def one_f_one_b(num_stages: int, num_microbatches: int, num_devices: int | None 
 
 
 def _interleaved_orders(
-    device: int, num_devices: int, stages_per_device: int, num_microbatches: int
+    device: int, num_devices: int, stages_per_device: int, num_rounds: int
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Returns device's (stage, microbatch) forward order and backward order.
 
-    Microbatches go in rounds of p (the last round may be shorter); each round visits the
-    device's stages in forward order for F and in reverse for BW.
+    Microbatches go in rounds of p; each round visits the device's stages in forward order
+    for F and in reverse for BW.
     """
-    p, v, m = num_devices, stages_per_device, num_microbatches
+    p, v = num_devices, stages_per_device
     forward, backward = [], []
-    for first in range(0, m, p):
-        round_ = range(first, min(first + p, m))
+    for first in range(0, num_rounds * p, p):
+        round_ = range(first, first + p)
         for chunk in range(v):
             forward += [(chunk * p + device, i) for i in round_]
         for chunk in reversed(range(v)):
@@ -142,19 +142,22 @@ def interleaved_one_f_one_b(
         )
     p, m = num_devices, num_microbatches
     v = num_stages // p
+    # Megatron-LM's order needs whole rounds of p microbatches. For other m, build it for
+    # whole rounds and drop the microbatches past m: dependencies only join actions of one
+    # microbatch, so dropping every action of some microbatches cannot create a deadlock.
+    rounds = -(-m // p)
+    total = rounds * p * v
     actions = []
     for d in range(p):
-        forward, backward = _interleaved_orders(d, p, v, m)
+        forward, backward = _interleaved_orders(d, p, v, rounds)
         # Megatron-LM's warm-up: enough forwards that the first backward's inputs are on their
         # way (a full round through v-1 stages) plus 2 per device downstream to keep them busy.
-        warmup = p - d - 1 if v == 1 else 2 * (p - d - 1) + (v - 1) * min(p, m)
-        warmup = min(warmup, m * v)
-        order = [Action("F", s, i) for s, i in forward[:warmup]]
-        for j in range(m * v - warmup):
-            order.append(Action("F", *forward[warmup + j]))
-            order.append(Action("BW", *backward[j]))
-        order += [Action("BW", s, i) for s, i in backward[m * v - warmup :]]
-        actions.append(order)
+        warmup = min(p - d - 1 if v == 1 else 2 * (p - d - 1) + (v - 1) * p, total)
+        order = [("F", s, i) for s, i in forward[:warmup]]
+        for j in range(total - warmup):
+            order += [("F", *forward[warmup + j]), ("BW", *backward[j])]
+        order += [("BW", s, i) for s, i in backward[total - warmup :]]
+        actions.append([Action(*step) for step in order if step[2] < m])
     placement = tuple(s % p for s in range(num_stages))
     return Schedule(name, num_stages, m, placement, actions)
 

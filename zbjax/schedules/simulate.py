@@ -15,26 +15,43 @@ def backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
     }
 
 
+#: Per stage, its predecessors and its successors (see ``neighbours``).
+Neighbours = tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]
+
+
+def neighbours(schedule: Schedule) -> Neighbours:
+    """Returns (predecessors, successors) of every stage, looked up once for many queries."""
+    stages = range(schedule.num_stages)
+    return (
+        {s: schedule.predecessors(s) for s in stages},
+        {s: schedule.successors(s) for s in stages},
+    )
+
+
 def dependencies(
     schedule: Schedule,
     action: Action,
     backward_kind: dict[tuple[int, int], str] | None = None,
+    graph: Neighbours | None = None,
 ) -> tuple[Action, ...]:
     """Returns the actions that must end before ``action`` can start (data dependencies).
 
     F(s, i) needs F(p, i) of every predecessor p; B(s, i) (or BW) needs F(s, i) and the backward
     of every successor (B or BW, as ``backward_kind`` says; computed from the schedule when not
-    given); W(s, i) needs B(s, i).
+    given); W(s, i) needs B(s, i). ``graph`` (from ``neighbours``) saves looking up the stage
+    graph on every call.
     """
     s, i = action.stage, action.microbatch
     if action.kind == "F":
-        return tuple(Action("F", p, i) for p in schedule.predecessors(s))
+        preds = graph[0][s] if graph is not None else schedule.predecessors(s)
+        return tuple(Action("F", p, i) for p in preds)
     if action.kind == "W":
         return (Action("B", s, i),)
     if backward_kind is None:
         backward_kind = backward_kinds(schedule)
+    succs = graph[1][s] if graph is not None else schedule.successors(s)
     return (Action("F", s, i),) + tuple(
-        Action(backward_kind.get((succ, i), "B"), succ, i) for succ in schedule.successors(s)
+        Action(backward_kind.get((succ, i), "B"), succ, i) for succ in succs
     )
 
 
@@ -68,6 +85,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     placement = schedule.placement
     scheduled = {a for _, _, a in schedule.all_actions()}
     kinds = backward_kinds(schedule)
+    graph = neighbours(schedule)
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     free = [0.0] * schedule.num_devices
@@ -80,7 +98,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                 action = program[cursor[device]]
                 ready = free[device]
                 blocked = False
-                for dep in dependencies(schedule, action, kinds):
+                for dep in dependencies(schedule, action, kinds, graph):
                     if dep not in end:
                         if dep not in scheduled:
                             raise ScheduleError(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules.ir import Action, Schedule
-from zbjax.schedules.simulate import backward_kinds, memory_delta
+from zbjax.schedules.simulate import backward_kinds, memory_delta, neighbours
 
 #: An action as a plain tuple (kind, stage, microbatch): hashing it is cheap.
 Key = tuple[str, int, int]
@@ -47,8 +47,7 @@ def _dependency_rule(schedule: Schedule) -> Dependencies:
     backward (B or BW, as scheduled) of every successor; W needs B.
     """
     kinds = backward_kinds(schedule)
-    preds = {s: schedule.predecessors(s) for s in range(schedule.num_stages)}
-    succs = {s: schedule.successors(s) for s in range(schedule.num_stages)}
+    preds, succs = neighbours(schedule)
 
     def rule(key: Key) -> tuple[Key, ...]:
         kind, s, i = key
