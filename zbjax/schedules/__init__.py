@@ -1,5 +1,6 @@
 """Pipeline schedules as plain data: build, validate, simulate and draw (imports no JAX)."""
 
+from zbjax.schedules.auto import zb_auto as zb_auto
 from zbjax.schedules.generators import v_placement as v_placement
 from zbjax.schedules.ir import KINDS as KINDS
 from zbjax.schedules.ir import Action as Action

@@ -1,0 +1,140 @@
+"""zb-auto matches or beats zb-h1/zb-h2 and the paper's automatic scheduler (pure Python)."""
+
+import time
+
+import pytest
+
+from zbjax.errors import ScheduleError
+from zbjax.schedules import Costs, build, simulate, validate
+from zbjax.schedules.auto import zb_auto
+
+UNIT = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
+# The Zero Bubble paper's profiled (T_F, T_B, T_W, T_comm) of its 1.5B model on 8 stages.
+GPT_1P5B = Costs(f=18522.0, b=18086.0, w=9337.0, comm=601.0)
+
+
+def _span_bubble(schedule, costs):
+    """Returns the paper's bubble rate: idle share of the longest first-start-to-last-end span."""
+    r = simulate(schedule, costs)
+    span = max(
+        max(r.end[a] for a in program) - min(r.start[a] for a in program)
+        for program in schedule.actions
+    )
+    return 1.0 - sum(r.busy) / (schedule.num_devices * span)
+
+
+def _check(schedule, costs):
+    """Returns the simulation after checking the schedule is valid and within its limit."""
+    validate(schedule)
+    r = simulate(schedule, costs)
+    assert max(r.peak_memory) <= schedule.mem_limit + 1e-9
+    return r
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_auto_at_limit_p_is_no_worse_than_zb_h1_at_equal_costs(p):
+    for m in (p, 2 * p, 3 * p):
+        auto = _check(zb_auto(p, m, costs=UNIT, mem_limit=p), UNIT)
+        h1 = simulate(build("zb-h1", p, m), UNIT)
+        assert auto.bubble_rate <= h1.bubble_rate + 1e-9
+        assert auto.bubble_rate == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_auto_at_limit_2p_has_no_bubble_inside_device_spans_when_m_ge_2p(p):
+    for m in (2 * p, 3 * p):
+        schedule = zb_auto(p, m, costs=UNIT, mem_limit=2 * p)
+        r = _check(schedule, UNIT)
+        assert _span_bubble(schedule, UNIT) == pytest.approx(0.0, abs=1e-9)
+        # Only the F chain's start offset is left, which no schedule can avoid.
+        assert r.bubble_rate == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def test_zb_auto_matches_the_papers_heuristic_on_the_1p5b_profile():
+    # The paper reports its heuristic's bubble rates to 4 digits: 0.1585 at limit p and
+    # 0.0433 at limit 2p, measured over the longest device span.
+    p, m = 8, 24
+    at_p = zb_auto(p, m, costs=GPT_1P5B, mem_limit=p)
+    _check(at_p, GPT_1P5B)
+    assert round(_span_bubble(at_p, GPT_1P5B), 4) <= 0.1585
+    assert round(simulate(at_p, GPT_1P5B).bubble_rate, 4) <= 0.1585
+    at_2p = zb_auto(p, m, costs=GPT_1P5B, mem_limit=2 * p, objective="span")
+    _check(at_2p, GPT_1P5B)
+    assert round(_span_bubble(at_2p, GPT_1P5B), 4) <= 0.0433
+
+
+def test_zb_auto_is_no_worse_than_zb_h2_with_unequal_costs():
+    costs = Costs(f=29802.0, b=29428.0, w=19530.0, comm=577.0)
+    for objective in ("makespan", "span"):
+        auto = zb_auto(8, 24, costs=costs, mem_limit=16, objective=objective)
+        h2 = build("zb-h2", 8, 24, mem_limit=16)
+        if objective == "makespan":
+            assert _check(auto, costs).makespan <= simulate(h2, costs).makespan + 1e-6
+        else:
+            assert _span_bubble(auto, costs) <= _span_bubble(h2, costs) + 1e-9
+
+
+def test_zb_auto_runs_in_under_5_seconds_for_16_stages_and_64_microbatches():
+    costs = Costs(f=11347.0, b=11248.0, w=8132.0, comm=377.0)
+    began = time.perf_counter()
+    schedule = zb_auto(16, 64, costs=costs, mem_limit=32)
+    assert time.perf_counter() - began < 5.0
+    _check(schedule, costs)
+
+
+@pytest.mark.parametrize(
+    "mem_limit, w_mem, costs",
+    [
+        (1.0, 0.5, UNIT),
+        (1.5, 0.3, UNIT),
+        (2.5, 0.5, Costs(f=(1.0, 2.0, 1.0, 1.5), b=(2.0, 1.0, 2.0, 1.0), w=0.5, comm=0.2)),
+        (3.0, 0.0, Costs(f=1.0, b=2.0, w=0.0, comm=0.0)),
+        (6.0, 1.0, Costs(f=1.0, b=1.0, w=2.0, comm=0.5)),
+    ],
+)
+def test_every_zb_auto_schedule_is_valid_and_within_its_memory_limit(mem_limit, w_mem, costs):
+    schedule = zb_auto(4, 8, costs=costs, mem_limit=mem_limit, w_mem=w_mem)
+    assert schedule.name == "zb-auto" and schedule.w_mem == w_mem
+    _check(schedule, costs)
+
+
+@pytest.mark.parametrize(
+    "edges",
+    [((0, 1), (0, 2), (1, 3), (2, 3)), ((0, 2), (1, 2), (2, 3)), ((0, 1), (0, 2), (0, 3))],
+)
+def test_zb_auto_schedules_a_stage_dag(edges):
+    costs = Costs(f=(1.0, 2.0, 1.0, 1.0), b=(1.0, 2.0, 1.0, 1.0), w=1.0, comm=0.1)
+    for mem_limit in (1.0, 4.0):
+        schedule = zb_auto(4, 8, costs=costs, mem_limit=mem_limit, edges=edges)
+        assert schedule.edges == edges
+        _check(schedule, costs)
+
+
+def test_build_zb_auto_goes_through_the_registry_with_default_limit_2p():
+    schedule = build("zb-auto", num_stages=4, num_microbatches=8)
+    r = simulate(schedule, UNIT)
+    assert schedule.name == "zb-auto" and max(r.peak_memory) <= 8.0
+    assert r.bubble_rate == pytest.approx(3 / 27)
+    limited = build("zb-auto", num_stages=4, num_microbatches=8, mem_limit=2.5, time_limit=0.5)
+    assert limited.mem_limit == 2.5 and max(simulate(limited).peak_memory) <= 2.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_stages": 0}, "num_stages = 0"),
+        ({"num_microbatches": 0}, "num_microbatches = 0"),
+        ({"costs": Costs(f=-1.0)}, "costs.f = -1.0"),
+        ({"costs": Costs(w=(1.0, 1.0, -2.0, 1.0))}, "costs.w = -2.0"),
+        ({"mem_limit": 0.5}, "mem_limit = 0.5"),
+        ({"num_devices": 2}, "num_devices = 2"),
+        ({"w_mem": 1.5}, "w_mem = 1.5"),
+        ({"edges": ((0, 1), (1, 2), (2, 0))}, "cycle"),
+        ({"edges": ((0, 7),)}, "edge (0, 7)"),
+        ({"objective": "latency"}, "objective = 'latency'"),
+    ],
+)
+def test_zb_auto_rejects_bad_requests_with_a_message_naming_the_value(kwargs, message):
+    request = {"num_stages": 4, "num_microbatches": 8} | kwargs
+    with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        zb_auto(**request)
