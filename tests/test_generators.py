@@ -96,12 +96,19 @@ def test_zb_v_reaches_the_makespan_lower_bound_6m_plus_p_minus_1():
     # 2p stages of cost 1 each; device p-1 cannot start before p-1 forwards, and then has
     # 6m units of work, so (p-1)/(6m+p-1) is the smallest possible bubble.
     for p in range(2, 13):
-        for m in [2 * p, 2 * p + 1, 3 * p + 1, 4 * p]:
+        for m in [p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p + 1, 4 * p]:
             s = zb_v(2 * p, m)
             r = simulate(s, UNIT)
             assert r.bubble_rate == pytest.approx((p - 1) / (6 * m + p - 1)), (p, m)
             # 2p stage units = p units of a whole device's model, the paper's p M_B.
             assert max(r.peak_memory) <= 2 * p
+
+
+def test_zb_v_has_no_bubble_inside_any_device_span_for_m_at_least_2p():
+    for p in range(2, 13):
+        for m in [2 * p, 2 * p + 1, 3 * p + 1, 4 * p]:
+            s = zb_v(2 * p, m)
+            assert span_bubble_rate(s, simulate(s, UNIT)) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_zb_v_places_stages_in_a_v():

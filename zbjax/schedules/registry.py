@@ -136,6 +136,6 @@ def build(
                         "choose a schedule that fits the limit (1f1b, zb-h1, zb-auto)"
                     )
     schedule = dataclasses.replace(
-        schedule, w_mem=w_mem, mem_limit=mem_limit if mem_limit is not None else None
+        schedule, w_mem=w_mem, mem_limit=mem_limit if mem_limit is not None else schedule.mem_limit
     )
     return validate(schedule)
