@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import jaxpr_as_fun
+from jax.sharding import PartitionSpec as P
 
+from zbjax._jax_compat import eval_closed_jaxpr
 from zbjax.cost_model import jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
 from zbjax.split import forwarded_residuals, split, split_stage
@@ -49,6 +51,10 @@ def _close(got, want):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
 
 
+def _run(closed):
+    return jaxpr_as_fun(closed)
+
+
 def run_and_check(fn, params, batch, inputs, input_differentiable=None, seed=None):
     """Checks (a)-(d) of the split contract for one stage; returns its StageProgram."""
     stage = make_stage(fn, params, batch, inputs, input_differentiable)
@@ -58,7 +64,7 @@ def run_and_check(fn, params, batch, inputs, input_differentiable=None, seed=Non
     n_out = len(want_outs)
 
     # (a) F returns the stage outputs, then the residuals.
-    forward = jaxpr_as_fun(program.forward)(*args)
+    forward = _run(program.forward)(*args)
     _close(forward[:n_out], want_outs)
     residuals = forward[n_out:]
     assert [(r.shape, r.dtype) for r in residuals] == [
@@ -73,12 +79,12 @@ def run_and_check(fn, params, batch, inputs, input_differentiable=None, seed=Non
         else _normal(100 + k, want_outs[k].shape, 1.0)
         for k in diff_out
     ]
-    fused = jaxpr_as_fun(program.backward)(*residuals, *cts)
-    b_outs = jaxpr_as_fun(program.backward_input)(*residuals, *cts)
+    fused = _run(program.backward)(*residuals, *cts)
+    b_outs = _run(program.backward_input)(*residuals, *cts)
     n_in = sum(stage.input_differentiable)
     input_cts, stash = b_outs[:n_in], b_outs[n_in:]
     assert [(s.shape, s.dtype) for s in stash] == [(a.shape, a.dtype) for a in program.stash_avals]
-    param_cts = jaxpr_as_fun(program.backward_weight)(*stash)
+    param_cts = _run(program.backward_weight)(*stash)
     assert len(param_cts) == len(params)
     _close(list(input_cts) + list(param_cts), fused)
 
@@ -301,3 +307,31 @@ def test_flag_on_an_integer_input_is_a_partition_error():
     bad = Stage(**{**stage.__dict__, "input_differentiable": (True,)})
     with pytest.raises(PartitionError, match="int32"):
         split_stage(bad)
+
+
+def test_stage_programs_run_inside_shard_map_with_eval_closed_jaxpr():
+    # Inside shard_map, values vary over the pipeline axis; a scan body typed at trace time
+    # does not, which jaxpr_as_fun cannot reconcile but eval_closed_jaxpr can.
+    ws, bs = _normal(80, (3, D, D)), _normal(81, (3, D))
+    xs = jnp.stack([_normal(82, (4, D)), _normal(83, (4, D))])
+    program = split_stage(make_stage(scanned_layers, [ws, bs], [], [xs[0]]))
+
+    def step(ws, bs, x, ct):
+        outs = eval_closed_jaxpr(program.forward, ws, bs, x)
+        b_outs = eval_closed_jaxpr(program.backward_input, *outs[1:], ct)
+        w_outs = eval_closed_jaxpr(program.backward_weight, *b_outs[1:])
+        return [outs[0], b_outs[0], *w_outs]
+
+    cts = jnp.stack([_normal(84, (4, D), 1.0), _normal(85, (4, D), 1.0)])
+    mesh = jax.make_mesh(
+        (2,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
+    per_device = jax.shard_map(
+        lambda ws, bs, x, ct: [o[None] for o in step(ws, bs, x[0], ct[0])],
+        mesh=mesh,
+        in_specs=(P(), P(), P("pp"), P("pp")),
+        out_specs=P("pp"),
+    )
+    got = jax.jit(per_device)(ws, bs, xs, cts)
+    for d in range(2):
+        _close([g[d] for g in got], step(ws, bs, xs[d], cts[d]))

@@ -162,3 +162,158 @@ def _jaxprs_in(params: dict) -> list[Jaxpr]:
             elif isinstance(v, Jaxpr):
                 found.append(v)
     return found
+
+
+def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    """Returns the outputs of ``closed`` applied to ``args``, re-tracing control-flow bodies.
+
+    Use this instead of ``jaxpr_as_fun`` to run a stage program inside ``shard_map``: a
+    ``scan``/``while``/``cond`` equation binds a body typed when the jaxpr was traced (values
+    not varying over any manual axis), which ``shard_map`` rejects once the operands vary over
+    the pipeline axis ("Scan carry input and output got mismatched varying manual axes"). Here
+    those bodies are traced again on the actual operands, and loop carries are cast to vary
+    over the axes the loop's operands vary over. Calls (jit, custom_jvp/vjp, remat) are
+    inlined: the result is for evaluation (and further tracing), not for differentiation with
+    the original custom rules.
+    """
+    return _eval_retraced(closed.jaxpr, closed.consts, args)
+
+
+def _eval_retraced(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Var, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for var, val in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args, strict=True):
+        env[var] = val
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        rule = _RETRACE_RULES.get(eqn.primitive.name)
+        if rule is not None:
+            outs = rule(eqn.params, invals)
+        elif eqn.primitive.name in CALL_PRIMITIVES | REMAT_PRIMITIVES | _CUSTOM_CALLS:
+            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            outs = _eval_body(body, invals)
+        else:
+            if eqn.primitive.name not in _COLLECTIVES:
+                # What lax's wrappers do before binding: operands of one op vary alike.
+                invals = _cast_varying(invals, _varying_axes(invals))
+            outs = _bind_like(eqn, invals)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+# Primitives whose typing rule relates input and output variance themselves.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "pbroadcast",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "reduce_scatter",
+        "psum_scatter",
+        "axis_index",
+        "pvary",
+        "pcast",
+        "shard_map",
+    }
+)
+_CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _eval_body(body: Jaxpr | ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    if isinstance(body, ClosedJaxpr):
+        return _eval_retraced(body.jaxpr, body.consts, args)
+    return _eval_retraced(body, (), args)
+
+
+def _vma(value: Any) -> frozenset:
+    # The manual mesh axes a value varies over inside shard_map (empty outside). jax 0.10 keeps
+    # them in ``aval.mat.varying``; other releases in ``aval.vma``.
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(jax.typeof(value), "shape")
+
+
+def _varying_axes(values: Sequence[Any]) -> frozenset:
+    axes: frozenset = frozenset()
+    for v in values:
+        if _is_array(v):
+            axes |= _vma(v)
+    return axes
+
+
+def _cast_varying(values: Sequence[Any], axes: frozenset) -> list[Any]:
+    # Outside shard_map no value varies, so this is a no-op there.
+    out = []
+    for v in values:
+        missing = tuple(sorted(axes - _vma(v))) if _is_array(v) else ()
+        out.append(jax.lax.pcast(v, missing, to="varying") if missing else v)
+    return out
+
+
+def _retrace_scan(params: dict, invals: list) -> list:
+    nc, nk = params["num_consts"], params["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+    init = _cast_varying(init, _varying_axes(invals))
+    body = params["jaxpr"]
+
+    def step(carry: list, x: list) -> tuple[list, list]:
+        outs = _eval_body(body, [*consts, *carry, *x])
+        return _cast_varying(outs[:nk], _varying_axes(carry)), outs[nk:]
+
+    carry, ys = jax.lax.scan(
+        step,
+        init,
+        xs,
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params.get("unroll", 1),
+    )
+    return [*carry, *ys]
+
+
+def _retrace_while(params: dict, invals: list) -> list:
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
+    init = _cast_varying(init, _varying_axes(invals))
+
+    def cond(carry: list) -> Any:
+        return _eval_body(params["cond_jaxpr"], [*cond_consts, *carry])[0]
+
+    def body(carry: list) -> list:
+        outs = _eval_body(params["body_jaxpr"], [*body_consts, *carry])
+        return _cast_varying(outs, _varying_axes(carry))
+
+    return list(jax.lax.while_loop(cond, body, init))
+
+
+def _retrace_cond(params: dict, invals: list) -> list:
+    index, operands = invals[0], invals[1:]
+    branches = [(lambda *ops, _b=b: _eval_body(_b, ops)) for b in params["branches"]]
+    if len(branches) == 1:
+        return list(branches[0](*operands))
+    axes = _varying_axes(invals)
+    wrapped = [(lambda *ops, _f=f: _cast_varying(_f(*ops), axes)) for f in branches]
+    return list(jax.lax.switch(index, wrapped, *operands))
+
+
+_RETRACE_RULES = {"scan": _retrace_scan, "while": _retrace_while, "cond": _retrace_cond}
