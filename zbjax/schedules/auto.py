@@ -638,31 +638,34 @@ def zb_auto(
     )
     deadline = time.perf_counter() + (2.0 if time_limit is None else float(time_limit))
 
-    scored = []
-    for orders in _reference_orders(problem):
-        timeline = _timeline(problem, orders)
-        if timeline is not None:
-            scored.append((_key(timeline, objective), orders, None))
+    scored = [(orders, None) for orders in _reference_orders(problem)]
     for policy in _policies(problem):
         if time.perf_counter() > deadline and scored:
             break
         orders = _greedy(problem, policy)
         if orders is not None and all(_fits(problem, program) for program in orders):
-            timeline = _timeline(problem, orders)
-            if timeline is not None:
-                scored.append((_key(timeline, objective), orders, policy))
+            scored.append((orders, policy))
+    timelines = [_timeline(problem, orders) for orders, _ in scored]
+    scored = [(t, o, p) for t, (o, p) in zip(timelines, scored, strict=True) if t is not None]
     if not scored:
         raise ScheduleError(
             f"zb-auto found no schedule within mem_limit = {mem_limit} M_B for "
             f"{num_stages} stages; raise mem_limit"
         )
-    scored.sort(key=lambda item: item[0])
-    key, best, _ = scored[0]
-    # Tune the best few greedy variants stage by stage; keep whatever beats the best so far.
-    for start_key, _, policy in [item for item in scored if item[2] is not None][:3]:
-        tuned_key, tuned_orders = _tune(problem, policy, start_key, objective, deadline)
-        if tuned_orders is not None and tuned_key < key:
-            key, best = tuned_key, tuned_orders
+    key, best = min(((_key(t, objective), o) for t, o, _ in scored), key=lambda item: item[0])
+    # Tune the best few greedy variants stage by stage, by the objective and (since the
+    # descent is path-dependent) by the other measure too; keep whatever beats the best.
+    other = "span" if objective == "makespan" else "makespan"
+    for measure, count in ((objective, 3), (other, 2)):
+        ranked = sorted(
+            ((_key(t, measure), p) for t, _, p in scored if p is not None),
+            key=lambda item: item[0],
+        )
+        for start_key, policy in ranked[:count]:
+            _, tuned = _tune(problem, policy, start_key, measure, deadline)
+            timeline = _timeline(problem, tuned) if tuned is not None else None
+            if timeline is not None and _key(timeline, objective) < key:
+                key, best = _key(timeline, objective), tuned
     best = _local_search(problem, best, objective, deadline, rounds=20 * num_stages)
 
     actions = tuple(
