@@ -1,5 +1,7 @@
 """Fixed schedules reach the papers' bubble and memory figures at equal costs (pure Python)."""
 
+import sys
+
 import pytest
 
 from zbjax.errors import ScheduleError
@@ -256,3 +258,9 @@ def test_every_schedule_builds_without_deadlock_for_small_shapes_and_any_m():
             build("zb-v", 2 * p, m)
             for v in range(1, 5):
                 build("interleaved-1f1b", v * p, m, num_devices=p)
+
+
+def test_zb_auto_without_its_module_says_which_schedules_remain(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zbjax.schedules.auto", None)
+    with pytest.raises(ScheduleError, match="zb-auto is not available.*gpipe, 1f1b"):
+        build("zb-auto", 4, 8, mem_limit=4.0)

@@ -238,8 +238,18 @@ def random_schedules(draw) -> Schedule:
     return template.with_actions(programs)
 
 
+@st.composite
+def built_schedules(draw) -> Schedule:
+    """Returns a generated schedule of a random name and size."""
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"]))
+    devices = draw(st.integers(1, 6))
+    per_device = draw(st.integers(1, 3)) if name == "interleaved-1f1b" else 2
+    stages = devices * per_device if name in ("interleaved-1f1b", "zb-v") else devices
+    return build(name, stages, draw(st.integers(1, 12)), num_devices=devices)
+
+
 @settings(max_examples=150, deadline=None)
-@given(random_schedules())
+@given(st.one_of(random_schedules(), built_schedules()))
 def test_random_valid_schedules_survive_the_text_round_trip(schedule):
     validate(schedule)
     assert parse_actions(schedule.to_text()) == schedule.actions
@@ -247,7 +257,7 @@ def test_random_valid_schedules_survive_the_text_round_trip(schedule):
 
 
 @settings(max_examples=150, deadline=None)
-@given(random_schedules(), st.randoms(use_true_random=False))
+@given(st.one_of(random_schedules(), built_schedules()), st.randoms(use_true_random=False))
 def test_an_action_moved_before_its_dependency_fails_naming_that_action(schedule, rng):
     local = [
         (device, position, action, dep)

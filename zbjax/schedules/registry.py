@@ -58,7 +58,15 @@ def _zb_auto(
     options: dict[str, Any],
 ) -> Schedule:
     """Returns zb-auto's schedule, imported only when asked for (it is a separate module)."""
-    auto = importlib.import_module("zbjax.schedules.auto")
+    try:
+        auto = importlib.import_module("zbjax.schedules.auto")
+    except ModuleNotFoundError as error:
+        if error.name != "zbjax.schedules.auto":
+            raise
+        raise ScheduleError(
+            "zb-auto is not available in this installation (zbjax.schedules.auto is missing); "
+            f"choose one of the fixed schedules: {', '.join(SCHEDULE_NAMES[:-1])}"
+        ) from error
     devices = num_stages if num_devices is None else num_devices
     unknown = set(options) - {"edges", "time_limit"}
     if unknown:
