@@ -1,0 +1,75 @@
+"""Microbatch splitting, per-microbatch keys, and the mean-over-microbatches reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zbjax import PipelineError
+from zbjax.microbatch import microbatch_keys, reference_value_and_grad, split_microbatches
+
+
+def test_split_reshapes_every_leaf_to_m_by_rows_and_keeps_row_order():
+    batch = {"x": jnp.arange(24.0).reshape(6, 4), "y": jnp.arange(6)}
+    out = split_microbatches(batch, 3)
+    assert out["x"].shape == (3, 2, 4) and out["y"].shape == (3, 2)
+    np.testing.assert_array_equal(out["y"][1], [2, 3])  # microbatch i = rows i*B/m : (i+1)*B/m
+    np.testing.assert_array_equal(out["x"][2], batch["x"][4:6])
+
+
+def test_split_names_the_leaf_its_shape_and_m_when_not_divisible():
+    batch = {"tokens": jnp.zeros((6, 3)), "targets": jnp.zeros((5, 3))}
+    with pytest.raises(PipelineError, match=r"\['targets'\].*\(5, 3\).*num_microbatches=2"):
+        split_microbatches(batch, 2)
+
+
+def test_split_rejects_a_scalar_leaf():
+    with pytest.raises(PipelineError, match=r"\['scale'\] is a scalar"):
+        split_microbatches({"x": jnp.zeros((4, 2)), "scale": jnp.float32(2.0)}, 2)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_microbatch_i_gets_fold_in_key_i(make_key):
+    key = make_key(7)
+    keys = microbatch_keys(key, 3)
+    assert keys.shape[0] == 3
+    for i in range(3):
+        expected = jax.random.fold_in(key, i)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            expected, got = jax.random.key_data(expected), jax.random.key_data(keys[i])
+        else:
+            got = keys[i]
+        np.testing.assert_array_equal(got, expected)
+
+
+def _mean_loss(params, batch):
+    return jnp.mean((jnp.tanh(batch["x"] @ params["w"]) - batch["y"]) ** 2)
+
+
+def test_reference_equals_full_batch_value_and_grad_for_a_mean_loss():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k1, (3, 2))}
+    batch = {"x": jax.random.normal(k2, (8, 3)), "y": jax.random.normal(k3, (8, 2))}
+    loss, grads = reference_value_and_grad(_mean_loss, params, batch, 4)
+    want_loss, want_grads = jax.value_and_grad(_mean_loss)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_reference_with_key_averages_microbatches_run_with_fold_in_keys():
+    def loss_fn(params, batch, key):
+        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+        return jnp.mean(jnp.where(keep, batch["x"], 0.0) @ params["w"])
+
+    params = {"w": jnp.arange(3.0)}
+    batch = {"x": jax.random.normal(jax.random.key(1), (4, 3))}
+    key = jax.random.key(2)
+    loss, grads = reference_value_and_grad(loss_fn, params, batch, 2, key=key)
+    parts = [
+        jax.value_and_grad(loss_fn)(
+            params, {"x": batch["x"][2 * i : 2 * i + 2]}, jax.random.fold_in(key, i)
+        )
+        for i in range(2)
+    ]
+    np.testing.assert_allclose(loss, (parts[0][0] + parts[1][0]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], (parts[0][1]["w"] + parts[1][1]["w"]) / 2, rtol=1e-6)

@@ -1,0 +1,256 @@
+"""partition: stages cut at markers or balanced by cost, edges, leaves, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxpr_as_fun
+
+import zbjax
+from models import gpt, gpt_scan, mlp
+from zbjax import PartitionError
+from zbjax.microbatch import split_microbatches
+from zbjax.partition import partition, stage_summary
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def run_stages(graph, params, microbatch):
+    """Returns the loss computed by running the stage jaxprs in order along the edges."""
+    return jax.jit(functools.partial(_run_stages, graph))(params, microbatch)
+
+
+def _run_stages(graph, params, microbatch):
+    param_leaves = jax.tree_util.tree_leaves(params)
+    batch_leaves = jax.tree_util.tree_leaves(microbatch)
+    sent = {}
+    for stage in graph.stages:
+        args = (
+            [param_leaves[i] for i in stage.param_leaves]
+            + [batch_leaves[i] for i in stage.batch_leaves]
+            + [v for e in stage.in_edges for v in sent[e]]
+        )
+        outs = list(jaxpr_as_fun(stage.jaxpr)(*args))
+        if stage.index == graph.loss_stage:
+            assert len(outs) == 1
+            return outs[0]
+        for e in stage.out_edges:
+            n = len(graph.edges[e].values)
+            sent[e], outs = outs[:n], outs[n:]
+    raise AssertionError("no loss stage")
+
+
+def diamond_loss(params, batch):
+    a = jnp.tanh(batch["x"] @ params["wa"])
+    b = jnp.tanh(zbjax.stage_boundary(a) @ params["wb"])
+    c = jnp.sin(zbjax.stage_boundary(a) @ params["wc"])
+    b, c = zbjax.stage_boundary((b, c))
+    return jnp.mean(((b * c) @ params["wd"] - batch["y"]) ** 2)
+
+
+def small_params():
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = {
+        name: jax.random.normal(k, (4, 4)) / 2
+        for name, k in zip(["wa", "wb", "wc", "wd"], keys[:4], strict=True)
+    }
+    batch = {"x": jax.random.normal(keys[4], (2, 4)), "y": jax.random.normal(keys[5], (2, 4))}
+    return params, batch
+
+
+@functools.cache
+def gpt_setup(module, num_layers, boundaries=()):
+    cfg = module.GPTConfig(
+        vocab_size=16,
+        seq_len=8,
+        d_model=16,
+        num_heads=2,
+        num_layers=num_layers,
+        stage_boundaries=boundaries,
+    )
+    params = jax.jit(module.init_params, static_argnums=1)(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 2)
+    return module.make_loss_fn(cfg), params, batch
+
+
+def test_markers_cut_gpt_into_a_chain_that_carries_only_the_residual_stream():
+    loss_fn, params, batch = gpt_setup(gpt, 4, (0, 2))
+    graph = partition(loss_fn, params, batch)
+    assert graph.num_stages == 3 and graph.loss_stage == 2
+    assert graph.edge_pairs == ((0, 1), (1, 2))
+    # Masks and position embeddings are computed where they are read, not sent.
+    for edge in graph.edges:
+        assert [(v.shape, v.dtype) for v in edge.values] == [((2, 8, 16), jnp.float32)]
+    leaf_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    embedding = leaf_names.index("['embed']['token']['embedding']")
+    assert graph.tied_params == (embedding,)
+    assert embedding in graph.stages[0].param_leaves and embedding in graph.stages[2].param_leaves
+    batch_names = sorted(batch)  # dict leaves are flattened in key order
+    assert [batch_names[i] for i in graph.stages[0].batch_leaves] == ["tokens"]
+    assert [batch_names[i] for i in graph.stages[2].batch_leaves] == ["targets"]
+    assert graph.stages[1].batch_leaves == ()
+    np.testing.assert_allclose(
+        run_stages(graph, params, batch), jax.jit(loss_fn)(params, batch), rtol=RTOL, atol=ATOL
+    )
+    summary = stage_summary(graph)
+    assert summary.count("\n") == 2 and "stage 2 [loss]" in summary
+
+
+def test_diamond_markers_give_a_dag_with_fan_out_and_fan_in():
+    params, batch = small_params()
+    graph = partition(diamond_loss, params, batch)
+    assert graph.num_stages == 4
+    assert graph.edge_pairs == ((0, 1), (0, 2), (1, 3), (2, 3))
+    assert graph.stages[0].out_edges == (0, 1) and graph.stages[3].in_edges == (2, 3)
+    assert graph.stages[3].param_leaves == (3,)  # wd
+    np.testing.assert_allclose(
+        run_stages(graph, params, batch), diamond_loss(params, batch), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_a_value_skipping_a_stage_travels_on_a_direct_edge():
+    def loss_fn(params, x):
+        a = jnp.tanh(x @ params)
+        b = jnp.tanh(zbjax.stage_boundary(a) @ params)
+        c = jnp.tanh(zbjax.stage_boundary(b) @ params)
+        return jnp.sum(c + a)  # a is defined in stage 0 and read in stage 2
+
+    graph = partition(loss_fn, jnp.eye(3), jnp.ones((2, 3)))
+    assert graph.edge_pairs == ((0, 1), (0, 2), (1, 2))
+
+
+def test_markers_inside_jitted_functions_are_seen():
+    @jax.jit
+    def block(w, x):
+        return zbjax.stage_boundary(jnp.tanh(x @ w))
+
+    graph = partition(lambda w, x: jnp.sum(block(w, block(w, x))), jnp.eye(3), jnp.ones((2, 3)))
+    assert graph.num_stages == 3
+
+
+def test_non_float_values_crossing_a_boundary_are_not_differentiable():
+    def loss_fn(w, x):
+        h = x @ w
+        h, idx = zbjax.stage_boundary((h, jnp.argmax(h, axis=-1)))
+        return jnp.sum(jnp.take_along_axis(h, idx[:, None], axis=1))
+
+    graph = partition(loss_fn, jnp.eye(3), jnp.ones((2, 3)))
+    assert graph.stages[1].input_differentiable == (True, False)
+    assert graph.stages[0].output_differentiable == (True, False)
+
+
+def test_num_stages_must_match_the_marker_count():
+    params, batch = small_params()
+    with pytest.raises(PartitionError, match=r"3 stage_boundary markers.*4 stages.*num_stages=2"):
+        partition(diamond_loss, params, batch, num_stages=2)
+
+
+@pytest.mark.parametrize(
+    "control_flow",
+    [
+        lambda x: jax.lax.cond(x.sum() > 0, zbjax.stage_boundary, jnp.negative, x),
+        lambda x: jax.lax.fori_loop(0, 2, lambda i, h: zbjax.stage_boundary(h * 2), x),
+        lambda x: jax.lax.scan(lambda h, _: (zbjax.stage_boundary(h * 2), None), x, None, 3)[0],
+    ],
+    ids=["cond", "while", "scan"],
+)
+def test_a_marker_inside_control_flow_is_refused(control_flow):
+    with pytest.raises(PartitionError, match="(?i)inside .*move the stage_boundary outside"):
+        partition(lambda w, x: jnp.sum(control_flow(x @ w)), jnp.eye(3), jnp.ones((2, 3)))
+
+
+def test_non_scalar_loss_is_refused():
+    with pytest.raises(
+        PartitionError, match=r"loss_fn must return a scalar; got shape \[\[2, 3\]\]"
+    ):
+        partition(lambda w, x: x @ w, jnp.eye(3), jnp.ones((2, 3)))
+
+
+def test_more_stages_than_the_program_can_be_cut_into_is_refused():
+    with pytest.raises(PartitionError, match=r"num_stages=5 but the program has only 2 pieces"):
+        partition(lambda w, x: jnp.sum(x @ w), jnp.eye(3), jnp.ones((2, 3)), num_stages=5)
+
+
+def test_auto_cut_of_an_8_block_gpt_into_4_stages_is_balanced():
+    cfg = gpt.GPTConfig(num_layers=8)  # default sizes, embedding and tied head included
+    params = jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg))
+    microbatch = {
+        "tokens": jax.ShapeDtypeStruct((4, cfg.seq_len), jnp.int32),
+        "targets": jax.ShapeDtypeStruct((4, cfg.seq_len), jnp.int32),
+    }
+    graph = partition(gpt.make_loss_fn(cfg), params, microbatch, num_stages=4)
+    costs = [stage.cost for stage in graph.stages]
+    assert max(costs) <= 1.15 * np.mean(costs), costs
+    assert [e[:2] for e in graph.edge_pairs] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_auto_cut_of_a_python_loop_model_matches_the_loss():
+    loss_fn, params, batch = gpt_setup(gpt, 2)
+    graph = partition(loss_fn, params, batch, num_stages=3)
+    assert graph.num_stages == 3
+    np.testing.assert_allclose(
+        run_stages(graph, params, batch), jax.jit(loss_fn)(params, batch), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_auto_cut_splits_a_scan_over_layers_across_stages():
+    loss_fn, params, batch = gpt_setup(gpt_scan, 4)
+    graph = partition(loss_fn, params, batch, num_stages=4)
+    scans = [
+        sum(e.primitive.name == "scan" for e in stage.jaxpr.jaxpr.eqns) for stage in graph.stages
+    ]
+    assert sum(scans) >= 2 and sum(1 for n in scans if n) >= 2, scans
+    # Every stage that runs iterations reads the whole stacked param leaves.
+    stacked = [
+        i for i, leaf in enumerate(jax.tree_util.tree_leaves(params)) if leaf.shape[:1] == (4,)
+    ]
+    for stage, n in zip(graph.stages, scans, strict=True):
+        if n:
+            assert set(stacked) <= set(stage.param_leaves)
+    np.testing.assert_allclose(
+        run_stages(graph, params, batch), jax.jit(loss_fn)(params, batch), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_mlp_markers_and_auto_cut_read_only_their_own_layers():
+    cfg = mlp.MLPConfig(in_dim=4, width=8, depth=4, out_dim=2, stage_boundaries=(1,))
+    params = mlp.init_params(jax.random.key(0), cfg)
+    batch = mlp.make_batch(jax.random.key(1), cfg, 4)
+    loss_fn = mlp.make_loss_fn(cfg)
+    graph = partition(loss_fn, params, batch)
+    assert graph.num_stages == 2 and graph.tied_params == ()
+    assert len(graph.stages[0].param_leaves) == 4 and len(graph.stages[1].param_leaves) == 6
+    auto = partition(
+        mlp.make_loss_fn(mlp.MLPConfig(in_dim=4, width=8, depth=4, out_dim=2)),
+        params,
+        batch,
+        num_stages=4,
+    )
+    assert auto.num_stages == 4 and auto.tied_params == ()
+    np.testing.assert_allclose(
+        run_stages(auto, params, batch), jax.jit(loss_fn)(params, batch), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_a_key_becomes_a_batch_leaf_read_where_dropout_runs():
+    def loss_fn(w, x, key):
+        h = jnp.tanh(x @ w)
+        h = zbjax.stage_boundary(h)
+        keep = jax.random.bernoulli(key, 0.5, h.shape)
+        return jnp.mean(jnp.where(keep, h, 0.0) @ w)
+
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    graph = partition(loss_fn, jnp.eye(3), jnp.ones((2, 3)), key=key)
+    assert graph.batch_avals[-1].dtype == key.dtype
+    assert graph.stages[0].batch_leaves == (0,) and graph.stages[1].batch_leaves == (1,)
+    assert [len(e.values) for e in graph.edges] == [1]  # the key's bits are not sent
+
+
+def test_microbatch_shapes_come_from_one_split_microbatch():
+    loss_fn, params, batch = gpt_setup(gpt, 2, (0,))
+    microbatch = jax.tree.map(lambda x: x[0], split_microbatches(batch, 2))
+    graph = partition(loss_fn, params, microbatch)
+    assert graph.edges[0].values[0].shape == (1, 8, 16)
+    assert graph.batch_avals[0].shape == (1, 8)

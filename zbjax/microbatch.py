@@ -1,0 +1,85 @@
+"""Microbatches: splitting a batch, per-microbatch PRNG keys, and the unpipelined reference.
+
+The public contract for randomness (dropout): a pipelined step given ``key`` runs microbatch
+``i`` with ``jax.random.fold_in(key, i)``. ``reference_value_and_grad`` computes exactly what a
+pipelined run must return: the mean over microbatches of ``jax.value_and_grad(loss_fn)``. For a
+loss that is a mean over its batch and uses no key, that equals the full-batch value and grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zbjax.errors import PipelineError
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> Any:
+    """Returns ``batch`` with every leaf reshaped to ``[num_microbatches, B // m, ...]``.
+
+    Microbatch ``i`` is the contiguous block of rows ``i * B/m : (i + 1) * B/m`` of every leaf.
+    Raises ``PipelineError`` naming the leaf when its leading axis is missing or not divisible.
+    """
+    if num_microbatches < 1:
+        raise PipelineError(f"num_microbatches={num_microbatches}; it must be at least 1")
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    out = []
+    for path, leaf in leaves_with_paths:
+        shape = tuple(jnp.shape(leaf))
+        name = jax.tree_util.keystr(path) or "<batch>"
+        if not shape:
+            raise PipelineError(
+                f"batch leaf {name} is a scalar (shape ()), so it cannot be split into "
+                f"{num_microbatches} microbatches; give every batch leaf a leading batch axis, "
+                "or pass per-step constants through params or a closure instead"
+            )
+        if shape[0] % num_microbatches:
+            raise PipelineError(
+                f"batch leaf {name} has shape {shape}: its leading axis {shape[0]} is not "
+                f"divisible by num_microbatches={num_microbatches}; use a batch size that is a "
+                f"multiple of {num_microbatches} or a num_microbatches that divides {shape[0]}"
+            )
+        out.append(jnp.reshape(leaf, (num_microbatches, shape[0] // num_microbatches) + shape[1:]))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
+    """Returns the stacked keys ``[fold_in(key, i) for i in range(num_microbatches)]``.
+
+    This is the public contract for randomness: microbatch ``i`` always uses
+    ``jax.random.fold_in(key, i)``, whatever the schedule. Works for typed keys
+    (``jax.random.key``; result shape ``[m]``) and raw uint32 keys (``jax.random.PRNGKey``;
+    result shape ``[m, 2]``).
+    """
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_microbatches))
+
+
+def reference_value_and_grad(
+    loss_fn: Callable[..., jax.Array],
+    params: Any,
+    batch: Any,
+    num_microbatches: int,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, Any]:
+    """Returns (loss, grads): the mean over microbatches of ``jax.value_and_grad(loss_fn)``.
+
+    Microbatch ``i`` is called as ``loss_fn(params, microbatch_i)``, or with
+    ``key=...`` as ``loss_fn(params, microbatch_i, jax.random.fold_in(key, i))``. This is what a
+    pipelined run must match; for a mean loss without a key it equals the full-batch result.
+    """
+    microbatches = split_microbatches(batch, num_microbatches)
+    value_and_grad = jax.value_and_grad(loss_fn)
+    keys = None if key is None else microbatch_keys(key, num_microbatches)
+    loss_sum = None
+    grad_sum = None
+    for i in range(num_microbatches):
+        microbatch = jax.tree.map(lambda leaf, i=i: leaf[i], microbatches)
+        extra = () if keys is None else (keys[i],)
+        loss, grads = value_and_grad(params, microbatch, *extra)
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        grad_sum = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
+    scale = 1.0 / num_microbatches
+    return loss_sum * scale, jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grad_sum)

@@ -1,0 +1,663 @@
+"""Trace a loss function and cut it into a ``StageGraph``, at markers or by a cost model.
+
+``partition(loss_fn, params, microbatch)`` traces ``loss_fn`` on one microbatch into a flat
+jaxpr (``jit``/``closed_call`` wrappers inlined, so markers inside jitted functions are seen),
+assigns every equation a stage, and builds one jaxpr per stage plus the edges between them.
+
+Stage assignment:
+
+- **Markers.** The k-th ``stage_boundary`` equation in traced order (k = 0, 1, ...) starts
+  stage k + 1; its outputs live in that stage. Any other equation goes to the latest stage of
+  its inputs, so the stages are in topological order and a value defined in stage i and read
+  in stage j > i travels on a direct edge i -> j (skip connections and branches give a DAG).
+- **Automatic** (no markers, ``num_stages`` given). *Activations* are the values that depend
+  on both a batch leaf and a param leaf. Activation equations, in traced order, are cut into
+  ``num_stages`` contiguous groups minimising the largest group cost
+  (``cost_model.equation_cost``); among near-optimal cuts (within ``AUTO_SLACK``) those with
+  fewer live activation bytes are preferred. A ``scan`` over layers counts as ``length`` units,
+  and a scan cut inside is rewritten into several scans over iteration ranges (the scanned-over
+  inputs, stacked params included, sliced along axis 0; the carry threaded; the stacked outputs
+  concatenated). Each such stage reads the whole stacked param leaf and slices its range.
+- **Free equations** (those that are not activations: position embeddings, masks, one-hot
+  targets, dropout bits drawn from a key) go to the earliest stage that reads them, so they are
+  never computed twice; the stages after it receive them on an edge. Free inputs of a marker
+  are read at the stage of the marker's other inputs (stage 0 when it has none).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
+
+from zbjax import cost_model
+from zbjax.errors import PartitionError
+from zbjax.markers import is_stage_boundary
+from zbjax.stages import Edge, Stage, StageGraph
+
+#: Automatic cuts may exceed the best achievable maximum stage cost by this fraction when that
+#: lets a cut cross fewer live activation bytes (less to send between devices).
+AUTO_SLACK = 0.03
+
+# Call wrappers whose body is inlined into the flat program: they only name or jit a function.
+_INLINE_ALWAYS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# Wrappers inlined only when their body holds a marker: inlining them changes how the body is
+# differentiated (a custom JVP rule) or rematerialised, so they are kept whole otherwise.
+_INLINE_IF_MARKED = frozenset({"custom_jvp_call", "checkpoint", "remat"})
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A flat traced program: invars are the params leaves, then the batch leaves."""
+
+    jaxpr: Jaxpr
+    consts: tuple[Any, ...]
+    num_params: int
+
+
+def partition(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    microbatch: Any,
+    *,
+    num_stages: int | None = None,
+    key: Any = None,
+) -> StageGraph:
+    """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
+
+    ``params`` and ``microbatch`` (ONE microbatch of the batch) may hold arrays or
+    ``jax.ShapeDtypeStruct``s. With markers, ``num_stages`` (optional) must equal the marker
+    count + 1. Without markers, ``num_stages`` stages are balanced by the cost model (one stage
+    when it is None). With ``key`` (a PRNG key or its ShapeDtypeStruct), ``loss_fn`` is called
+    as ``loss_fn(params, microbatch, key)`` and the graph's batch pytree is
+    ``(microbatch, key)``: the key is a batch leaf, one per microbatch (see
+    ``zbjax.microbatch.microbatch_keys``).
+    """
+    if num_stages is not None and num_stages < 1:
+        raise PartitionError(f"num_stages={num_stages}; ask for at least 1 stage")
+    batch = microbatch if key is None else (microbatch, key)
+    param_avals, params_treedef = _flat_avals(params)
+    batch_avals, batch_treedef = _flat_avals(batch)
+    program = _trace(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key)
+    eqns = list(program.jaxpr.eqns)
+    markers = [i for i, eqn in enumerate(eqns) if is_stage_boundary(eqn)]
+    if markers:
+        if num_stages is not None and num_stages != len(markers) + 1:
+            raise PartitionError(
+                f"loss_fn has {len(markers)} stage_boundary markers, which make "
+                f"{len(markers) + 1} stages, but num_stages={num_stages}; pass "
+                f"num_stages={len(markers) + 1} (or None), or add/remove markers"
+            )
+        explicit = {i: rank + 1 for rank, i in enumerate(markers)}
+        count = len(markers) + 1
+    else:
+        count = 1 if num_stages is None else num_stages
+        program, explicit = _auto_cut(program, count)
+    eqn_stages = _assign_stages(program, explicit, count)
+    return _build_graph(
+        program, eqn_stages, count, params_treedef, batch_treedef, param_avals, batch_avals
+    )
+
+
+def stage_summary(graph: StageGraph) -> str:
+    """Returns one line per stage: name, params read, forward cost and edges in and out."""
+    lines = []
+    total = sum(s.cost for s in graph.stages) or 1.0
+    for stage in graph.stages:
+        count = sum(math.prod(graph.param_avals[i].shape) for i in stage.param_leaves)
+        ins = ", ".join(
+            f"{graph.edges[e].src}->{stage.index} ({len(graph.edges[e].values)} values)"
+            for e in stage.in_edges
+        )
+        outs = ", ".join(
+            f"{stage.index}->{graph.edges[e].dst} ({len(graph.edges[e].values)} values)"
+            for e in stage.out_edges
+        )
+        loss = " [loss]" if stage.index == graph.loss_stage else ""
+        lines.append(
+            f"{stage.name}{loss}: {len(stage.param_leaves)} param leaves ({count:,} params), "
+            f"cost {stage.cost:.3g} ({100 * stage.cost / total:.1f}%), "
+            f"in: {ins or '-'}; out: {outs or '-'}"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def _flat_avals(tree: Any) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    avals = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+    return avals, treedef
+
+
+def _trace(
+    loss_fn: Callable[..., Any],
+    params_treedef: Any,
+    batch_treedef: Any,
+    param_avals: Sequence[jax.ShapeDtypeStruct],
+    batch_avals: Sequence[jax.ShapeDtypeStruct],
+    key: Any,
+) -> _Program:
+    num_params = len(param_avals)
+
+    def flat_loss(*leaves: Any) -> Any:
+        params = jax.tree_util.tree_unflatten(params_treedef, leaves[:num_params])
+        batch = jax.tree_util.tree_unflatten(batch_treedef, leaves[num_params:])
+        if key is None:
+            return loss_fn(params, batch)
+        microbatch, microbatch_key = batch
+        return loss_fn(params, microbatch, microbatch_key)
+
+    closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
+    out_avals = closed.out_avals
+    if len(out_avals) != 1 or out_avals[0].shape != () or not _is_inexact(out_avals[0].dtype):
+        got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out_avals) or "nothing"
+        raise PartitionError(
+            f"loss_fn must return a scalar; got shape {[list(a.shape) for a in out_avals]} "
+            f"({got}); return one floating-point scalar (e.g. the mean loss over the batch) "
+            "and compute metrics outside the pipeline"
+        )
+    flat = _inline_calls(closed)
+    return _Program(_dce(flat.jaxpr), tuple(flat.consts), num_params)
+
+
+def _is_inexact(dtype: Any) -> bool:
+    try:
+        return bool(np.issubdtype(dtype, np.inexact))
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Returns the outputs of binding ``eqn``'s primitive to ``invals`` (as eval_jaxpr does)."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    # jax 0.10 returns the params (sub-functions inside); other releases return (subfuns, params).
+    if isinstance(bind_params, tuple):
+        subfuns, bind_params = bind_params
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _read(env: dict[Var, Any], atom: Any) -> Any:
+    return atom.val if isinstance(atom, Literal) else env[atom]
+
+
+def _contains_marker(jaxpr: Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if is_stage_boundary(eqn):
+            return True
+        if any(_contains_marker(sub) for sub in _sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+def _sub_jaxprs(eqn: Any) -> list[Jaxpr]:
+    return [j.jaxpr if isinstance(j, ClosedJaxpr) else j for j in jaxprs_in_params(eqn.params)]
+
+
+def _inline_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
+    """Returns (body, consts) of a call wrapper that is inlined, None for other equations."""
+    name = eqn.primitive.name
+    if name in _INLINE_ALWAYS or name in _INLINE_IF_MARKED:
+        body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if body is None:
+            return None
+        closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+        if name in _INLINE_ALWAYS or _contains_marker(closed.jaxpr):
+            return closed.jaxpr, closed.consts
+        return None
+    if any(_contains_marker(sub) for sub in _sub_jaxprs(eqn)):
+        where = {
+            "cond": "a lax.cond/switch branch",
+            "while": "a lax.while_loop/fori_loop body",
+            "scan": "a lax.scan body (e.g. Flax nn.scan)",
+        }.get(name, f"the body of a {name!r} equation")
+        raise PartitionError(
+            f"a stage_boundary marker sits inside {where}; a pipeline cannot cut inside "
+            "control flow. Move the stage_boundary outside the control flow (e.g. between "
+            "two loops, or unroll the loop), or remove the markers and pass num_stages to "
+            "cut automatically (scans over layers are split by iteration)"
+        )
+    return None
+
+
+def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, a) for a in eqn.invars]
+        body = _inline_body(eqn)
+        if body is not None:
+            outs = _eval_inlined(body[0], body[1], invals)
+        else:
+            with eqn.ctx.manager:
+                outs = _bind(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+def _inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Returns ``closed`` retraced with its call wrappers inlined (recursively)."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
+    return jax.make_jaxpr(lambda *args: _eval_inlined(closed.jaxpr, closed.consts, args))(*avals)
+
+
+def _dce(jaxpr: Jaxpr) -> Jaxpr:
+    """Returns ``jaxpr`` without the equations whose outputs nothing reads."""
+    live = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if isinstance(v, Var))
+    kept.reverse()
+    return jaxpr.replace(eqns=kept, effects=frozenset().union(*(e.effects for e in kept)))
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _assign_stages(program: _Program, explicit: dict[int, int], count: int) -> list[int]:
+    """Returns the stage of every equation (see the module docstring for the rules)."""
+    eqns = program.jaxpr.eqns
+    var_stage: dict[Var, int] = {}
+    eqn_stage: list[int | None] = [None] * len(eqns)
+    for i, eqn in enumerate(eqns):
+        staged = [var_stage[v] for v in eqn.invars if isinstance(v, Var) and v in var_stage]
+        if i in explicit:
+            stage = explicit[i]
+        elif staged:
+            stage = max(staged)
+        else:
+            continue  # free: placed below by its readers
+        eqn_stage[i] = stage
+        var_stage.update((v, stage) for v in eqn.outvars)
+    last = count - 1
+    read_at: dict[Var, int] = {v: last for v in program.jaxpr.outvars if isinstance(v, Var)}
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        if eqn_stage[i] is None:
+            eqn_stage[i] = min((read_at[v] for v in eqn.outvars if v in read_at), default=last)
+        if is_stage_boundary(eqn):
+            staged = [var_stage[v] for v in eqn.invars if isinstance(v, Var) and v in var_stage]
+            reader = max(staged, default=0)
+        else:
+            reader = eqn_stage[i]
+        for v in eqn.invars:
+            if isinstance(v, Var) and v not in var_stage:
+                read_at[v] = min(read_at.get(v, last), reader)
+    return [int(s) for s in eqn_stage]  # type: ignore[arg-type]
+
+
+def _aval_struct(atom: Any) -> jax.ShapeDtypeStruct:
+    aval = atom.aval
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _build_graph(
+    program: _Program,
+    eqn_stages: Sequence[int],
+    count: int,
+    params_treedef: Any,
+    batch_treedef: Any,
+    param_avals: tuple[jax.ShapeDtypeStruct, ...],
+    batch_avals: tuple[jax.ShapeDtypeStruct, ...],
+) -> StageGraph:
+    jaxpr = program.jaxpr
+    eqns = jaxpr.eqns
+    param_index = {v: i for i, v in enumerate(jaxpr.invars[: program.num_params])}
+    batch_index = {v: i for i, v in enumerate(jaxpr.invars[program.num_params :])}
+    const_value = dict(zip(jaxpr.constvars, program.consts, strict=True))
+    home: dict[Var, tuple[int, int]] = {}  # value -> (stage, definition order)
+    for i, eqn in enumerate(eqns):
+        for v in eqn.outvars:
+            home[v] = (eqn_stages[i], len(home))
+    stage_eqns: list[list[Any]] = [[] for _ in range(count)]
+    reads: list[list[Any]] = [[] for _ in range(count)]
+    for i, eqn in enumerate(eqns):
+        stage_eqns[eqn_stages[i]].append(eqn)
+        reads[eqn_stages[i]].extend(eqn.invars)
+    loss = jaxpr.outvars[0]
+    reads[count - 1].append(loss)
+    params_read: list[list[int]] = []
+    batch_read: list[list[int]] = []
+    received: dict[tuple[int, int], list[Var]] = {}
+    for stage, atoms in enumerate(reads):
+        vars_read = {a for a in atoms if isinstance(a, Var)}
+        params_read.append(sorted(param_index[v] for v in vars_read if v in param_index))
+        batch_read.append(sorted(batch_index[v] for v in vars_read if v in batch_index))
+        for v in sorted((v for v in vars_read if v in home), key=lambda v: home[v][1]):
+            src = home[v][0]
+            if src != stage:
+                received.setdefault((src, stage), []).append(v)
+    pairs = sorted(received)
+    edges = tuple(
+        Edge(src, dst, tuple(_aval_struct(v) for v in received[(src, dst)])) for src, dst in pairs
+    )
+    stages = []
+    for s in range(count):
+        in_edges = tuple(e for e, (_, dst) in enumerate(pairs) if dst == s)
+        out_edges = tuple(e for e, (src, _) in enumerate(pairs) if src == s)
+        inputs = [v for e in in_edges for v in received[pairs[e]]]
+        outputs = [v for e in out_edges for v in received[pairs[e]]]
+        if s == count - 1:
+            outputs = [loss]
+        invars = (
+            [jaxpr.invars[i] for i in params_read[s]]
+            + [jaxpr.invars[program.num_params + i] for i in batch_read[s]]
+            + inputs
+        )
+        closed = _stage_jaxpr(stage_eqns[s], invars, outputs, const_value)
+        stages.append(
+            Stage(
+                index=s,
+                name=f"stage {s}",
+                jaxpr=closed,
+                param_leaves=tuple(params_read[s]),
+                batch_leaves=tuple(batch_read[s]),
+                in_edges=in_edges,
+                out_edges=out_edges,
+                input_differentiable=tuple(_is_inexact(v.aval.dtype) for v in inputs),
+                output_differentiable=tuple(_is_inexact(a.aval.dtype) for a in outputs),
+                cost=cost_model.jaxpr_cost(closed),
+            )
+        )
+    return StageGraph(
+        stages=tuple(stages),
+        edges=edges,
+        loss_stage=count - 1,
+        params_treedef=params_treedef,
+        batch_treedef=batch_treedef,
+        param_avals=param_avals,
+        batch_avals=batch_avals,
+    )
+
+
+def _stage_jaxpr(
+    eqns: Sequence[Any], invars: Sequence[Var], outputs: Sequence[Any], consts: dict[Var, Any]
+) -> ClosedJaxpr:
+    """Returns the closed jaxpr (invars...) -> (outputs...) running ``eqns`` (markers elided)."""
+
+    def run(*args: Any) -> list[Any]:
+        env: dict[Var, Any] = dict(consts)
+        env.update(zip(invars, args, strict=True))
+        for eqn in eqns:
+            invals = [_read(env, a) for a in eqn.invars]
+            if is_stage_boundary(eqn):
+                outs = invals  # the marker is the identity; the cut is the stage edge
+            else:
+                with eqn.ctx.manager:
+                    outs = _bind(eqn, invals)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [_read(env, a) for a in outputs]
+
+    return jax.make_jaxpr(run)(*(_aval_struct(v) for v in invars))
+
+
+# ----------------------------------------------------------------------------- automatic cuts
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One indivisible piece of activation work: an equation, or one iteration of a scan."""
+
+    eqn: int
+    iteration: int  # 0 unless the equation is a scan split by iteration
+    cost: float
+
+
+def _auto_cut(program: _Program, count: int) -> tuple[_Program, dict[int, int]]:
+    """Returns the program (scans split where cut) and the stage of each activation equation."""
+    eqns = program.jaxpr.eqns
+    activation = _activation_equations(program)
+    units: list[_Unit] = []
+    first_unit: dict[int, int] = {}
+    for i in activation:
+        eqn = eqns[i]
+        first_unit[i] = len(units)
+        cost = cost_model.equation_cost(eqn)
+        length = eqn.params["length"] if _splittable_scan(eqn) else 1
+        units.extend(_Unit(i, it, cost / length) for it in range(length))
+    if len(units) < count:
+        raise PartitionError(
+            f"num_stages={count} but the program has only {len(units)} pieces of activation "
+            "work to cut between (equations, or scan iterations); ask for at most "
+            f"{len(units)} stages or give the model more layers"
+        )
+    costs = [u.cost for u in units]
+    _attach_free_costs(program, activation, first_unit, costs)
+    live = _live_bytes(program, units, first_unit)
+    starts = _choose_cuts(costs, live, count)
+    unit_stage = np.zeros(len(units), dtype=int)
+    for s, start in enumerate(starts):
+        unit_stage[start:] = s
+    explicit: dict[int, int] = {}
+    scan_chunks: dict[int, list[tuple[int, int, int]]] = {}
+    for i in activation:
+        lo = first_unit[i]
+        n = eqns[i].params["length"] if _splittable_scan(eqns[i]) else 1
+        here = unit_stage[lo : lo + n]
+        if here[0] == here[-1]:
+            explicit[i] = int(here[0])
+        else:
+            chunks = []
+            begin = 0
+            for it in range(1, n + 1):
+                if it == n or here[it] != here[begin]:
+                    chunks.append((begin, it, int(here[begin])))
+                    begin = it
+            scan_chunks[i] = chunks
+    if not scan_chunks:
+        return program, explicit
+    return _split_scans(program, explicit, scan_chunks)
+
+
+def _activation_equations(program: _Program) -> list[int]:
+    """Returns the indices of equations whose outputs depend on a batch AND a param leaf."""
+    jaxpr = program.jaxpr
+    depends: dict[Var, int] = {}  # bit 1: a param leaf; bit 2: a batch leaf
+    for n, v in enumerate(jaxpr.invars):
+        depends[v] = 1 if n < program.num_params else 2
+    activation = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        bits = 0
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                bits |= depends.get(v, 0)
+        depends.update((v, bits) for v in eqn.outvars)
+        if bits == 3:
+            activation.append(i)
+    return activation
+
+
+def _splittable_scan(eqn: Any) -> bool:
+    return eqn.primitive.name == "scan" and eqn.params["length"] >= 2
+
+
+def _attach_free_costs(
+    program: _Program, activation: list[int], first_unit: dict[int, int], costs: list[float]
+) -> None:
+    """Adds each free equation's cost to the first unit that reads it (where it will run)."""
+    eqns = program.jaxpr.eqns
+    last = len(costs) - 1
+    is_activation = set(activation)
+    read_at: dict[Var, int] = {v: last for v in program.jaxpr.outvars if isinstance(v, Var)}
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        if i in is_activation:
+            position = first_unit[i]
+        else:
+            position = min((read_at[v] for v in eqn.outvars if v in read_at), default=last)
+            costs[position] += cost_model.equation_cost(eqn)
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                read_at[v] = min(read_at.get(v, last), position)
+
+
+def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int]) -> list[float]:
+    """Returns, per cut position p (before unit p), the activation bytes crossing the cut."""
+    eqns = program.jaxpr.eqns
+    n = len(units)
+    delta = np.zeros(n + 1)
+    defined: dict[Var, int] = {}
+    last_read: dict[Var, int] = {}
+    for i, lo in first_unit.items():
+        eqn = eqns[i]
+        length = eqn.params["length"] if _splittable_scan(eqn) else 1
+        for v in eqn.invars:
+            if isinstance(v, Var) and v in defined:
+                last_read[v] = max(last_read.get(v, 0), lo + length - 1)
+        for v in eqn.outvars:
+            defined[v] = lo + length - 1
+        if length > 1:  # inside a scan the carry crosses every iteration boundary
+            carry = eqn.outvars[: eqn.params["num_carry"]]
+            delta[lo + 1] += sum(cost_model.aval_bytes(v.aval) for v in carry)
+            delta[lo + length] -= sum(cost_model.aval_bytes(v.aval) for v in carry)
+    for v in program.jaxpr.outvars:
+        if isinstance(v, Var) and v in defined:
+            last_read[v] = n - 1
+    for v, d in defined.items():
+        if v in last_read and last_read[v] > d:
+            size = cost_model.aval_bytes(v.aval)
+            delta[d + 1] += size
+            delta[last_read[v] + 1] -= size
+    return list(np.cumsum(delta)[:n])
+
+
+def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]:
+    """Returns the first unit of each of ``count`` contiguous groups (starts[0] == 0).
+
+    The largest group cost is minimised (bisection on the bound, greedy packing); then each cut
+    moves, within ``AUTO_SLACK`` of that bound, to the position with the fewest live bytes.
+    """
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    n = len(costs)
+    if count == 1:
+        return [0]
+
+    def groups_needed(bound: float) -> int:
+        groups, start = 1, 0
+        for p in range(1, n):
+            if prefix[p + 1] - prefix[start] > bound:
+                groups, start = groups + 1, p
+        return groups
+
+    lo, hi = max(costs), float(prefix[-1])
+    for _ in range(100):
+        if hi - lo <= 1e-9 * max(hi, 1.0):
+            break
+        mid = 0.5 * (lo + hi)
+        if groups_needed(mid) <= count:
+            hi = mid
+        else:
+            lo = mid
+    bound = hi * (1.0 + AUTO_SLACK)
+    # earliest[k]: the first position group k may start at so that groups k .. count - 1 still
+    # fit the bound (packed greedily from the end).
+    earliest = [0] * (count + 1)
+    earliest[count] = n
+    for k in range(count - 1, 0, -1):
+        p = earliest[k + 1] - 1
+        while p - 1 >= k and prefix[earliest[k + 1]] - prefix[p - 1] <= bound:
+            p -= 1
+        earliest[k] = p
+    starts = [0]
+    for k in range(1, count):
+        prev = starts[-1]
+        best = None
+        # Group k - 1 = [prev, p) must fit the bound and leave one unit per later group.
+        for p in range(max(prev + 1, earliest[k]), n - (count - k) + 1):
+            if prefix[p] - prefix[prev] > bound:
+                break
+            score = (live[p], abs(prefix[p] - prefix[prev] - prefix[-1] / count))
+            if best is None or score < best[0]:
+                best = (score, p)
+        starts.append(best[1] if best is not None else max(prev + 1, earliest[k]))
+    return starts
+
+
+def _split_scans(
+    program: _Program, explicit: dict[int, int], scan_chunks: dict[int, list[tuple[int, int, int]]]
+) -> tuple[_Program, dict[int, int]]:
+    """Returns the program with each scan in ``scan_chunks`` replaced by one scan per chunk."""
+    jaxpr = program.jaxpr
+    rename: dict[Var, Any] = {}
+    new_eqns: list[Any] = []
+    new_explicit: dict[int, int] = {}
+    constvars = list(jaxpr.constvars)
+    consts = list(program.consts)
+
+    def renamed(atom: Any) -> Any:
+        while isinstance(atom, Var) and atom in rename:
+            atom = rename[atom]
+        return atom
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        eqn = eqn.replace(invars=[renamed(a) for a in eqn.invars])
+        if i not in scan_chunks:
+            if i in explicit:
+                new_explicit[len(new_eqns)] = explicit[i]
+            new_eqns.append(eqn)
+            continue
+        chunks = scan_chunks[i]
+        replacement = _chunked_scan_jaxpr(eqn, [(a, b) for a, b, _ in chunks])
+        inner = dict(zip(replacement.jaxpr.invars, eqn.invars, strict=True))
+        fresh_consts = dict(zip(replacement.jaxpr.constvars, replacement.consts, strict=True))
+        constvars.extend(fresh_consts)
+        consts.extend(fresh_consts.values())
+        scan_count = 0
+        for sub in replacement.jaxpr.eqns:
+            sub = sub.replace(
+                invars=[inner.get(a, a) if isinstance(a, Var) else a for a in sub.invars]
+            )
+            if sub.primitive.name == "scan":
+                new_explicit[len(new_eqns)] = chunks[scan_count][2]
+                scan_count += 1
+            new_eqns.append(sub)
+        for outer, inner_out in zip(eqn.outvars, replacement.jaxpr.outvars, strict=True):
+            rename[outer] = (
+                inner.get(inner_out, inner_out) if isinstance(inner_out, Var) else (inner_out)
+            )
+    outvars = [renamed(v) for v in jaxpr.outvars]
+    new_jaxpr = jaxpr.replace(constvars=constvars, eqns=new_eqns, outvars=outvars)
+    return _Program(new_jaxpr, tuple(consts), program.num_params), new_explicit
+
+
+def _chunked_scan_jaxpr(eqn: Any, ranges: list[tuple[int, int]]) -> ClosedJaxpr:
+    """Returns a jaxpr equal to the scan ``eqn`` run as one scan per iteration range.
+
+    ``ranges`` are [begin, end) in processing order; for a reverse scan, processing step t
+    reads row length - 1 - t of the scanned-over inputs.
+    """
+    params = eqn.params
+    length, num_consts, num_carry = params["length"], params["num_consts"], params["num_carry"]
+    reverse = params["reverse"]
+
+    def chunked(*args: Any) -> list[Any]:
+        consts = args[:num_consts]
+        carry = list(args[num_consts : num_consts + num_carry])
+        xs = args[num_consts + num_carry :]
+        pieces = []
+        for begin, end in ranges:
+            rows = (length - end, length - begin) if reverse else (begin, end)
+            xs_chunk = [jax.lax.slice_in_dim(x, rows[0], rows[1], axis=0) for x in xs]
+            outs = eqn.primitive.bind(
+                *consts, *carry, *xs_chunk, **{**params, "length": end - begin}
+            )
+            carry = list(outs[:num_carry])
+            pieces.append((rows[0], outs[num_carry:]))
+        pieces.sort(key=lambda piece: piece[0])
+        num_ys = len(eqn.outvars) - num_carry
+        ys = [jax.lax.concatenate([p[1][k] for p in pieces], 0) for k in range(num_ys)]
+        return carry + ys
+
+    avals = [_aval_struct(v) for v in eqn.invars]
+    return jax.make_jaxpr(chunked)(*avals)
