@@ -3,6 +3,8 @@
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules import Costs, build, simulate, validate
@@ -98,12 +100,31 @@ def test_zb_auto_runs_in_under_5_seconds_for_16_stages_and_64_microbatches():
         (2.5, 0.5, Costs(f=(1.0, 2.0, 1.0, 1.5), b=(2.0, 1.0, 2.0, 1.0), w=0.5, comm=0.2)),
         (3.0, 0.0, Costs(f=1.0, b=2.0, w=0.0, comm=0.0)),
         (6.0, 1.0, Costs(f=1.0, b=1.0, w=2.0, comm=0.5)),
+        (2.0, 0.5, Costs(f=0.0, b=0.0, w=0.0, comm=0.0)),
+        (8.0, 0.5, Costs(f=0.0, b=1.0, w=0.0, comm=0.5)),
     ],
 )
 def test_every_zb_auto_schedule_is_valid_and_within_its_memory_limit(mem_limit, w_mem, costs):
     schedule = zb_auto(4, 8, costs=costs, mem_limit=mem_limit, w_mem=w_mem)
     assert schedule.name == "zb-auto" and schedule.w_mem == w_mem
     _check(schedule, costs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    p=st.integers(1, 5),
+    m=st.integers(1, 10),
+    costs=st.tuples(*[st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0])] * 4),
+    mem_limit=st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0, 10.0]),
+    w_mem=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+)
+def test_zb_auto_is_valid_within_its_limit_and_no_worse_than_zb_h1(p, m, costs, mem_limit, w_mem):
+    costs = Costs(*costs)
+    schedule = zb_auto(p, m, costs=costs, mem_limit=mem_limit, w_mem=w_mem, time_limit=0.2)
+    r = _check(schedule, costs)
+    if mem_limit >= p:
+        h1 = build("zb-h1", p, m, w_mem=w_mem, mem_limit=mem_limit)
+        assert r.makespan <= simulate(h1, costs).makespan + 1e-9
 
 
 @pytest.mark.parametrize(

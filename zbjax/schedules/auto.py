@@ -403,23 +403,13 @@ def _stage_graph(
             )
     predecessors = tuple(tuple(a for a, b in edges if b == s) for s in range(num_stages))
     successors = tuple(tuple(b for a, b in edges if a == s) for s in range(num_stages))
-    indegree = [len(p) for p in predecessors]
-    frontier = [s for s in range(num_stages) if not indegree[s]]
-    visited = 0
-    while frontier:
-        stage = frontier.pop()
-        visited += 1
-        for nxt in successors[stage]:
-            indegree[nxt] -= 1
-            if not indegree[nxt]:
-                frontier.append(nxt)
-    if visited != num_stages:
+    if len(_topological(successors)) != num_stages:
         raise ScheduleError(f"edges {edges} contain a cycle; the stage graph must be a DAG")
     return edges, predecessors, successors
 
 
 def _topological(successors: Sequence[Sequence[int]]) -> list[int]:
-    """Returns the stages in an order where every edge goes forward."""
+    """Returns the stages in an order where every edge goes forward (fewer on a cycle)."""
     indegree = [0] * len(successors)
     for targets in successors:
         for q in targets:
@@ -438,15 +428,9 @@ def _topological(successors: Sequence[Sequence[int]]) -> list[int]:
 
 def _depth_to_sink(successors: Sequence[Sequence[int]]) -> list[int]:
     """Returns, per stage, the number of stages on the longest path from it to a sink."""
-    depth = [0] * len(successors)
-
-    def visit(stage: int) -> int:
-        if not depth[stage]:
-            depth[stage] = 1 + max((visit(q) for q in successors[stage]), default=0)
-        return depth[stage]
-
-    for stage in range(len(successors)):
-        visit(stage)
+    depth = [1] * len(successors)
+    for stage in reversed(_topological(successors)):
+        depth[stage] += max((depth[q] for q in successors[stage]), default=0)
     return depth
 
 
@@ -481,11 +465,14 @@ def _policies(problem: _Problem) -> list[_Policy]:
     longest = max(depth)
     # 1F1B's depth (plus a margin), the time that the first B takes to come back, or memory.
     shapes = [[d + extra for d in depth] for extra in (0, 1, 2, longest // 2, longest)]
-    shapes += [[math.ceil(scale * g - _EPS) for g in gap] for scale in (0.5, 0.75, 1.0, 1.25)]
+    shapes += [
+        [math.ceil(scale * g - _EPS) if g < math.inf else cap for g in gap]
+        for scale in (0.5, 0.75, 1.0, 1.25)
+    ]
     shapes.append([cap] * problem.num_stages)
     warmups = []
     for shape in shapes:
-        warmup = tuple(max(1, min(cap, k)) if k < math.inf else cap for k in shape)
+        warmup = tuple(max(1, min(cap, k)) for k in shape)
         if warmup not in warmups:
             warmups.append(warmup)
     num_stages = problem.num_stages
