@@ -335,3 +335,20 @@ def test_stage_programs_run_inside_shard_map_with_eval_closed_jaxpr():
     got = jax.jit(per_device)(ws, bs, xs, cts)
     for d in range(2):
         _close([g[d] for g in got], step(ws, bs, xs[d], cts[d]))
+
+
+def test_reverse_scan_with_a_shared_weight_accumulates_its_gradient_in_the_w_scan_carry():
+    def shared_and_stacked(w, ws, x):
+        def layer(carry, wi):
+            h, total = carry
+            h = jnp.tanh(h @ w + h @ wi)
+            return (h, total + jnp.sum(h)), 2.0 * h
+
+        (h, total), ys = jax.lax.scan(layer, (x, jnp.float32(0.0)), ws, reverse=True)
+        return (h, total, ys)
+
+    params = [_normal(90, (D, D)), _normal(91, (3, D, D))]
+    program = run_and_check(shared_and_stacked, params, [], [_normal(92, (4, D))])
+    (w_scan,) = [e for e in program.backward_weight.jaxpr.eqns if e.primitive.name == "scan"]
+    assert w_scan.params["num_carry"] == 1  # the shared weight's running cotangent
+    assert program.flops_backward_input == program.flops_forward
