@@ -1,5 +1,6 @@
 """zb-auto matches or beats zb-h1/zb-h2 and the paper's automatic scheduler (pure Python)."""
 
+import itertools
 import time
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules import Costs, build, simulate, validate
+from zbjax.schedules import Action, Costs, Schedule, build, simulate, validate
 from zbjax.schedules.auto import zb_auto
 
 UNIT = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
@@ -125,6 +126,45 @@ def test_zb_auto_is_valid_within_its_limit_and_no_worse_than_zb_h1(p, m, costs, 
     if mem_limit >= p:
         h1 = build("zb-h1", p, m, w_mem=w_mem, mem_limit=mem_limit)
         assert r.makespan <= simulate(h1, costs).makespan + 1e-9
+
+
+def _device_orders(m, mem_limit, w_mem):
+    """Returns every F/B/W order of one stage (microbatch order per kind) within the limit."""
+    found = []
+
+    def extend(order, n_f, n_b, n_w, level):
+        if len(order) == 3 * m:
+            found.append(order)
+        if n_f < m and level + 1 <= mem_limit:
+            extend(order + [("F", n_f)], n_f + 1, n_b, n_w, level + 1)
+        if n_b < n_f:
+            extend(order + [("B", n_b)], n_f, n_b + 1, n_w, level - (1 - w_mem))
+        if n_w < n_b:
+            extend(order + [("W", n_w)], n_f, n_b, n_w + 1, level - w_mem)
+
+    extend([], 0, 0, 0, 0.0)
+    return found
+
+
+@pytest.mark.parametrize(
+    "m, costs, mem_limit",
+    [
+        (4, Costs(f=3.0, b=1.0, w=2.0, comm=0.5), 1.5),
+        (3, Costs(f=1.0, b=3.0, w=2.0, comm=0.5), 3.0),
+    ],
+)
+def test_zb_auto_finds_the_optimal_makespan_of_a_2_stage_pipeline(m, costs, mem_limit):
+    p = 2
+    makespans = []
+    for pair in itertools.product(_device_orders(m, mem_limit, 0.5), repeat=p):
+        actions = [[Action(kind, d, i) for kind, i in order] for d, order in enumerate(pair)]
+        try:
+            makespans.append(simulate(Schedule("any", p, m, (0, 1), actions), costs).makespan)
+        except ScheduleError:
+            continue  # this pair of orders deadlocks
+    best = min(makespans)
+    auto = zb_auto(p, m, costs=costs, mem_limit=mem_limit, time_limit=CONVERGE)
+    assert _check(auto, costs).makespan == pytest.approx(best)
 
 
 @pytest.mark.parametrize(
