@@ -352,3 +352,17 @@ def test_reverse_scan_with_a_shared_weight_accumulates_its_gradient_in_the_w_sca
     (w_scan,) = [e for e in program.backward_weight.jaxpr.eqns if e.primitive.name == "scan"]
     assert w_scan.params["num_carry"] == 1  # the shared weight's running cotangent
     assert program.flops_backward_input == program.flops_forward
+
+
+def test_stages_with_nothing_to_differentiate_have_empty_b_and_zero_w():
+    def ints_only(tokens):
+        return (tokens * 2,)
+
+    program = run_and_check(ints_only, [], [jnp.arange(4)], [])
+    assert not program.backward_input.jaxpr.outvars and program.residual_avals == ()
+
+    def argmax_only(w, x):
+        return (jnp.argmax(x @ w, -1),)
+
+    program = run_and_check(argmax_only, [_normal(95, (D, D))], [], [_normal(96, (4, D))])
+    assert program.residual_avals == () and program.flops_backward == 0
