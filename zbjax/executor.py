@@ -85,12 +85,29 @@ def _microbatch_leaves(graph: StageGraph, batch: Any, key: Any, m: int) -> list[
             f"batch (with key: {key is not None}) has tree structure {treedef} but the graph "
             f"expects {graph.batch_treedef}; {hint}"
         )
+    for n, (leaf, aval) in enumerate(zip(leaves, graph.batch_avals, strict=True)):
+        if tuple(leaf.shape[1:]) != tuple(aval.shape):
+            raise PipelineError(
+                f"batch leaf {n} splits into microbatches of shape {tuple(leaf.shape[1:])} but "
+                f"the graph was partitioned for {tuple(aval.shape)}; partition with one "
+                f"microbatch of this batch (batch size / num_microbatches={m} rows)"
+            )
     return leaves
 
 
+# Jitted programs by jaxpr identity (the jaxpr is kept alive with its function), so running
+# the same programs again, e.g. under another schedule, compiles nothing new.
+_JITTED: dict[int, tuple[Any, Callable[..., Any]]] = {}
+
+
 def _as_callable(closed: Any, jit: bool) -> Callable[..., Any]:
-    fun = jaxpr_as_fun(closed)
-    return jax.jit(fun) if jit else fun
+    if not jit:
+        return jaxpr_as_fun(closed)
+    if id(closed) not in _JITTED:
+        if len(_JITTED) >= 512:
+            _JITTED.pop(next(iter(_JITTED)))
+        _JITTED[id(closed)] = (closed, jax.jit(jaxpr_as_fun(closed)))
+    return _JITTED[id(closed)][1]
 
 
 class _Runner:
