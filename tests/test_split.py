@@ -309,15 +309,35 @@ def test_flag_on_an_integer_input_is_a_partition_error():
         split_stage(bad)
 
 
-def test_stage_programs_run_inside_shard_map_with_eval_closed_jaxpr():
-    # Inside shard_map, values vary over the pipeline axis; a scan body typed at trace time
-    # does not, which jaxpr_as_fun cannot reconcile but eval_closed_jaxpr can.
-    ws, bs = _normal(80, (3, D, D)), _normal(81, (3, D))
-    xs = jnp.stack([_normal(82, (4, D)), _normal(83, (4, D))])
-    program = split_stage(make_stage(scanned_layers, [ws, bs], [], [xs[0]]))
+def branchy(w1, w2, x):
+    y = jax.lax.cond(jnp.sum(x) > 0, lambda: jnp.tanh(x @ w1), lambda: jnp.sin(x @ w2) @ w1)
+    z = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w2), y)
+    count = lambda c: (c[0] + 1, c[1] * 2.0)  # noqa: E731
+    n = jax.lax.while_loop(lambda c: c[0] < 3, count, (0, jnp.float32(1.0)))[1]
+    return (z * n,)
 
-    def step(ws, bs, x, ct):
-        outs = eval_closed_jaxpr(program.forward, ws, bs, x)
+
+def test_cond_fori_and_while_stage_splits_correctly():
+    # The shard_map test below runs the other branch of the cond.
+    program = run_and_check(
+        branchy, [_normal(86, (D, D)), _normal(87, (D, D))], [], [_normal(88, (4, D))]
+    )
+    # A backward cond computing both kinds of cotangent goes to B whole (not split).
+    assert any(e.primitive.name == "cond" for e in program.backward_input.jaxpr.eqns)
+
+
+@pytest.mark.parametrize("stage_fn", [scanned_layers, branchy])
+def test_stage_programs_run_inside_shard_map_with_eval_closed_jaxpr(stage_fn):
+    # Inside shard_map, values vary over the pipeline axis; a loop or branch body typed at
+    # trace time does not, which jaxpr_as_fun cannot reconcile but eval_closed_jaxpr can.
+    params = [_normal(80, (D, D)), _normal(81, (D, D))]
+    if stage_fn is scanned_layers:
+        params = [_normal(80, (3, D, D)), _normal(81, (3, D))]
+    xs = jnp.stack([_normal(82, (4, D)), -_normal(83, (4, D))])
+    program = split_stage(make_stage(stage_fn, params, [], [xs[0]]))
+
+    def step(p0, p1, x, ct):
+        outs = eval_closed_jaxpr(program.forward, p0, p1, x)
         b_outs = eval_closed_jaxpr(program.backward_input, *outs[1:], ct)
         w_outs = eval_closed_jaxpr(program.backward_weight, *b_outs[1:])
         return [outs[0], b_outs[0], *w_outs]
@@ -327,14 +347,14 @@ def test_stage_programs_run_inside_shard_map_with_eval_closed_jaxpr():
         (2,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
     )
     per_device = jax.shard_map(
-        lambda ws, bs, x, ct: [o[None] for o in step(ws, bs, x[0], ct[0])],
+        lambda p0, p1, x, ct: [o[None] for o in step(p0, p1, x[0], ct[0])],
         mesh=mesh,
         in_specs=(P(), P(), P("pp"), P("pp")),
         out_specs=P("pp"),
     )
-    got = jax.jit(per_device)(ws, bs, xs, cts)
+    got = jax.jit(per_device)(*params, xs, cts)
     for d in range(2):
-        _close([g[d] for g in got], step(ws, bs, xs[d], cts[d]))
+        _close([g[d] for g in got], step(*params, xs[d], cts[d]))
 
 
 def test_reverse_scan_with_a_shared_weight_accumulates_its_gradient_in_the_w_scan_carry():
