@@ -434,12 +434,9 @@ def _depth_to_sink(successors: Sequence[Sequence[int]]) -> list[int]:
     return depth
 
 
-def _first_backward_gap(problem: _Problem) -> list[float]:
-    """Returns, per stage, how many forwards fit between its first F and its first B's inputs.
-
-    Computed on microbatch 0 alone, with no other work in the way: the paper's warm-up rule
-    ("as many F as fit before the first B arrives").
-    """
+def _first_microbatch(problem: _Problem) -> tuple[list[float], list[float]]:
+    """Returns, per stage, when microbatch 0's F inputs and its B inputs can be there at the
+    earliest (nothing else in the way)."""
     order = _topological(problem.successors)
     f_ready = [0.0] * problem.num_stages
     for stage in order:
@@ -451,10 +448,26 @@ def _first_backward_gap(problem: _Problem) -> list[float]:
             [f_ready[stage] + problem.f[stage]]
             + [b_ready[q] + problem.b[q] + problem.comm for q in problem.successors[stage]]
         )
+    return f_ready, b_ready
+
+
+def _first_backward_gap(problem: _Problem) -> list[float]:
+    """Returns, per stage, how many forwards fit between its first F and its first B's inputs:
+    the paper's warm-up rule ("as many F as fit before the first B arrives")."""
+    f_ready, b_ready = _first_microbatch(problem)
     return [
         (b_ready[s] - f_ready[s]) / problem.f[s] if problem.f[s] > 0 else math.inf
         for s in range(problem.num_stages)
     ]
+
+
+def _bound(problem: _Problem, objective: str) -> tuple[float, float]:
+    """Returns a key no schedule can beat: every device busy from its first possible F on."""
+    f_ready, _ = _first_microbatch(problem)
+    m = problem.num_microbatches
+    busy = [m * (problem.f[s] + problem.b[s] + problem.w[s]) for s in range(problem.num_stages)]
+    makespan = max(ready + work for ready, work in zip(f_ready, busy, strict=True))
+    return _key(_Timeline([], [], makespan, max(busy)), objective)
 
 
 def _policies(problem: _Problem) -> list[_Policy]:
@@ -518,7 +531,8 @@ def _tune(
     best_orders = None
     index = unchanged = 0
     neighbours = _neighbours(policy, cap)
-    while unchanged < len(neighbours) and time.perf_counter() < deadline:
+    bound = _bound(problem, objective)
+    while unchanged < len(neighbours) and key > bound and time.perf_counter() < deadline:
         candidate = neighbours[index % len(neighbours)]
         index += 1
         unchanged += 1
@@ -643,17 +657,21 @@ def zb_auto(
     # Tune the best few greedy variants stage by stage, by the objective and (since the
     # descent is path-dependent) by the other measure too; keep whatever beats the best.
     other = "span" if objective == "makespan" else "makespan"
-    for measure, count in ((objective, 3), (other, 2)):
+    bound = _bound(problem, objective)
+    for measure, count in ((objective, 3), (other, 3)):
         ranked = sorted(
             ((_key(t, measure), p) for t, _, p in scored if p is not None),
             key=lambda item: item[0],
         )
         for start_key, policy in ranked[:count]:
+            if key <= bound:
+                break  # provably optimal already
             _, tuned = _tune(problem, policy, start_key, measure, deadline)
             timeline = _timeline(problem, tuned) if tuned is not None else None
             if timeline is not None and _key(timeline, objective) < key:
                 key, best = _key(timeline, objective), tuned
-    best = _local_search(problem, best, objective, deadline, rounds=20 * num_stages)
+    if key > bound:
+        best = _local_search(problem, best, objective, deadline, rounds=20 * num_stages)
 
     actions = tuple(
         tuple(
