@@ -254,3 +254,50 @@ def test_microbatch_shapes_come_from_one_split_microbatch():
     graph = partition(loss_fn, params, microbatch)
     assert graph.edges[0].values[0].shape == (1, 8, 16)
     assert graph.batch_avals[0].shape == (1, 8)
+
+
+def test_markers_inside_checkpoint_and_custom_jvp_functions_are_seen():
+    @jax.custom_jvp
+    def sine(h):
+        return zbjax.stage_boundary(jnp.sin(h))
+
+    sine.defjvp(lambda primals, tangents: (sine(primals[0]), jnp.cos(primals[0]) * tangents[0]))
+    block = jax.checkpoint(lambda h, w: zbjax.stage_boundary(jnp.tanh(h @ w)))
+
+    def loss_fn(w, x):
+        return jnp.mean(sine(block(x, w)) @ w)
+
+    w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
+    graph = partition(loss_fn, w, x)
+    assert graph.num_stages == 3
+    np.testing.assert_allclose(run_stages(graph, w, x), loss_fn(w, x), rtol=RTOL, atol=ATOL)
+
+
+def test_auto_cut_splits_a_reverse_scan_and_keeps_its_stacked_outputs_in_order():
+    def loss_fn(params, x):
+        def body(h, w):
+            h = jnp.tanh(h @ w)
+            return h, jnp.mean(h)
+
+        h, ys = jax.lax.scan(body, x, params, reverse=True)
+        return jnp.mean(h**2) + jnp.sum(ys * jnp.arange(6.0))
+
+    params = jax.random.normal(jax.random.key(0), (6, 4, 4)) / 2
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    graph = partition(loss_fn, params, x, num_stages=3)
+    scans = [sum(e.primitive.name == "scan" for e in s.jaxpr.jaxpr.eqns) for s in graph.stages]
+    assert sum(1 for n in scans if n) >= 2, scans
+    np.testing.assert_allclose(
+        run_stages(graph, params, x), loss_fn(params, x), rtol=RTOL, atol=ATOL
+    )
+
+
+def test_a_jitted_loss_is_inlined_so_it_can_be_cut():
+    @jax.jit
+    def loss_fn(w, x):
+        for _ in range(4):
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x)
+
+    graph = partition(loss_fn, jnp.eye(3), jnp.ones((2, 3)), num_stages=4)
+    assert graph.num_stages == 4 and graph.edge_pairs == ((0, 1), (1, 2), (2, 3))

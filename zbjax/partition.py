@@ -48,7 +48,7 @@ AUTO_SLACK = 0.03
 _INLINE_ALWAYS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 # Wrappers inlined only when their body holds a marker: inlining them changes how the body is
 # differentiated (a custom JVP rule) or rematerialised, so they are kept whole otherwise.
-_INLINE_IF_MARKED = frozenset({"custom_jvp_call", "checkpoint", "remat"})
+_INLINE_IF_MARKED = frozenset({"custom_jvp_call", "checkpoint", "remat", "remat2"})
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ def partition(
         count = len(markers) + 1
     else:
         count = 1 if num_stages is None else num_stages
-        program, explicit = _auto_cut(program, count)
+        # One stage needs no cut: every equation lands in stage 0 as a free equation.
+        program, explicit = _auto_cut(program, count) if count > 1 else (program, {})
     eqn_stages = _assign_stages(program, explicit, count)
     return _build_graph(
         program, eqn_stages, count, params_treedef, batch_treedef, param_avals, batch_avals
