@@ -301,3 +301,15 @@ def test_a_jitted_loss_is_inlined_so_it_can_be_cut():
 
     graph = partition(loss_fn, jnp.eye(3), jnp.ones((2, 3)), num_stages=4)
     assert graph.num_stages == 4 and graph.edge_pairs == ((0, 1), (1, 2), (2, 3))
+
+
+def test_a_named_marker_names_the_stage_it_starts():
+    def loss_fn(w, x):
+        h = zbjax.stage_boundary(jnp.tanh(x @ w), name="after layer 0")
+        return jnp.mean(h @ w)
+
+    graph = partition(loss_fn, jnp.eye(3), jnp.ones((2, 3)))
+    assert [s.name for s in graph.stages] == ["stage 0", "stage 1 (after layer 0)"]
+    assert (
+        stage_summary(graph).splitlines()[1].startswith("stage 1 (after layer 0) [loss]: 1 param")
+    )

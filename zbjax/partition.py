@@ -100,8 +100,13 @@ def partition(
         # One stage needs no cut: every equation lands in stage 0 as a free equation.
         program, explicit = _auto_cut(program, count) if count > 1 else (program, {})
     eqn_stages = _assign_stages(program, explicit, count)
+    names = [f"stage {s}" for s in range(count)]
+    for i, s in explicit.items():
+        label = program.jaxpr.eqns[i].params.get("name") if markers else None
+        if label:
+            names[s] = f"stage {s} ({label})"
     return _build_graph(
-        program, eqn_stages, count, params_treedef, batch_treedef, param_avals, batch_avals
+        program, eqn_stages, names, params_treedef, batch_treedef, param_avals, batch_avals
     )
 
 
@@ -306,7 +311,7 @@ def _aval_struct(atom: Any) -> jax.ShapeDtypeStruct:
 def _build_graph(
     program: _Program,
     eqn_stages: Sequence[int],
-    count: int,
+    names: Sequence[str],
     params_treedef: Any,
     batch_treedef: Any,
     param_avals: tuple[jax.ShapeDtypeStruct, ...],
@@ -314,6 +319,7 @@ def _build_graph(
 ) -> StageGraph:
     jaxpr = program.jaxpr
     eqns = jaxpr.eqns
+    count = len(names)
     param_index = {v: i for i, v in enumerate(jaxpr.invars[: program.num_params])}
     batch_index = {v: i for i, v in enumerate(jaxpr.invars[program.num_params :])}
     const_value = dict(zip(jaxpr.constvars, program.consts, strict=True))
@@ -360,7 +366,7 @@ def _build_graph(
         stages.append(
             Stage(
                 index=s,
-                name=f"stage {s}",
+                name=names[s],
                 jaxpr=closed,
                 param_leaves=tuple(params_read[s]),
                 batch_leaves=tuple(batch_read[s]),
@@ -545,10 +551,11 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
         return [0]
 
     def groups_needed(bound: float) -> int:
-        groups, start = 1, 0
-        for p in range(1, n):
-            if prefix[p + 1] - prefix[start] > bound:
-                groups, start = groups + 1, p
+        # Greedy packing: each group takes as many units as fit; jump group by group.
+        groups, start = 0, 0
+        while start < n:
+            end = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
+            groups, start = groups + 1, max(end, start + 1)
         return groups
 
     lo, hi = max(costs), float(prefix[-1])
