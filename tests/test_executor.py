@@ -183,3 +183,12 @@ def test_params_or_batch_that_do_not_fit_the_graph_are_refused():
         run_schedule(graph, programs, schedule, params, batch, jit=False)
     with pytest.raises(PipelineError, match="tree structure"):
         run_schedule(graph, programs, schedule, {"other": params}, batch, jit=False)
+
+
+@pytest.mark.parametrize("order", ["zb-v", "interleaved-1f1b"])
+def test_schedules_with_two_stages_per_device_give_the_same_grads(order):
+    loss_fn, params, batch, reference = model("mlp")
+    graph, programs = stage_programs("mlp", 4)
+    schedule = schedules.build(order, num_stages=4, num_microbatches=M)
+    assert schedule.num_devices == 2
+    assert_matches(run_schedule(graph, programs, schedule, params, batch, jit=False), reference)
