@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules import Action, Costs, Schedule, build, simulate, validate
-from zbjax.schedules.auto import zb_auto
+from zbjax.schedules.auto import _bound, _Problem, zb_auto
 
 UNIT = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
 # The Zero Bubble paper's profiled (T_F, T_B, T_W, T_comm) of its 1.5B model on 8 stages.
@@ -27,6 +27,15 @@ def _span_bubble(schedule, costs):
         for program in schedule.actions
     )
     return 1.0 - sum(r.busy) / (schedule.num_devices * span)
+
+
+def _problem(p, m, costs, mem_limit):
+    """Returns zb-auto's internal view of a chain of p stages."""
+    f, b, w = costs.per_stage(p)
+    preds = tuple((s - 1,) if s else () for s in range(p))
+    succs = tuple((s + 1,) if s < p - 1 else () for s in range(p))
+    edges = tuple((s, s + 1) for s in range(p - 1))
+    return _Problem(p, m, f, b, w, costs.comm, mem_limit, 0.5, edges, preds, succs)
 
 
 def _check(schedule, costs):
@@ -64,12 +73,17 @@ def test_zb_auto_matches_the_papers_heuristic_on_the_1p5b_profile():
     _check(at_p, GPT_1P5B)
     assert round(_span_bubble(at_p, GPT_1P5B), 4) <= 0.1585
     assert round(simulate(at_p, GPT_1P5B).bubble_rate, 4) <= 0.1585
+    # That is optimal at limit p: device 0 idles until B0 is back (a round trip), as only p F
+    # fit before it; after its last F it has p - 1 B and W to run until the last B is back.
+    f, b, w, comm = GPT_1P5B.f, GPT_1P5B.b, GPT_1P5B.w, GPT_1P5B.comm
+    trip = p * f + (p - 1) * b + 2 * (p - 1) * comm
+    device_0_end = m * (f + b + w) + (trip - p * f) + (trip - f - (p - 1) * (b + w))
+    assert simulate(at_p, GPT_1P5B).makespan == pytest.approx(device_0_end)
     at_2p = zb_auto(p, m, costs=GPT_1P5B, mem_limit=2 * p, objective="span", time_limit=CONVERGE)
     _check(at_2p, GPT_1P5B)
     assert round(_span_bubble(at_2p, GPT_1P5B), 4) <= 0.0433
-    # That is optimal: device 0 cannot end before the last B leaves device p-1 (after its m F
+    # Also optimal: device 0 cannot end before the last B leaves device p-1 (after its m F
     # and m B, which start (p-1)(F+comm) late), comes back over p-1 stages, and one W follows.
-    f, b, w, comm = GPT_1P5B.f, GPT_1P5B.b, GPT_1P5B.w, GPT_1P5B.comm
     bound = (p - 1) * (f + comm) + m * (f + b) + (p - 1) * (b + comm) + w
     assert _span_bubble(at_2p, GPT_1P5B) == pytest.approx(1 - m * (f + b + w) / bound)
 
@@ -165,6 +179,9 @@ def test_zb_auto_finds_the_optimal_makespan_of_a_2_stage_pipeline(m, costs, mem_
     best = min(makespans)
     auto = zb_auto(p, m, costs=costs, mem_limit=mem_limit, time_limit=CONVERGE)
     assert _check(auto, costs).makespan == pytest.approx(best)
+    # The lower bound zb-auto stops at must hold for every order, not just for its own.
+    problem = _problem(p, m, costs, mem_limit)
+    assert _bound(problem, "makespan")[0] <= best + 1e-9
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,11 @@ Algorithm (the Zero Bubble paper's automatic scheduler, then two searches on top
    where an action waited for the previous action on its device, move that one behind it;
    move W into idle gaps. Each move is re-simulated and kept when the objective improves.
 
+Searches stop early when the key reaches a lower bound (each device's busy time plus the idle
+it cannot avoid: waiting for its first B with memory for only floor(mem_limit) F, and waiting
+after its last F for that microbatch's B), which proves the schedule optimal; on the paper's
+profiles at limit p this is what happens.
+
 The objective is the makespan of one step (what a zbjax pipeline runs), ties broken by the
 longest per-device span; ``objective="span"`` swaps the two (the paper's measure, which sets the
 step time when consecutive steps overlap). Searches stop when nothing improves or at
@@ -434,40 +439,60 @@ def _depth_to_sink(successors: Sequence[Sequence[int]]) -> list[int]:
     return depth
 
 
-def _first_microbatch(problem: _Problem) -> tuple[list[float], list[float]]:
-    """Returns, per stage, when microbatch 0's F inputs and its B inputs can be there at the
-    earliest (nothing else in the way)."""
-    order = _topological(problem.successors)
-    f_ready = [0.0] * problem.num_stages
-    for stage in order:
+def _earliest_forward(problem: _Problem) -> list[float]:
+    """Returns, per stage, the earliest time any of its forwards can start."""
+    ready = [0.0] * problem.num_stages
+    for stage in _topological(problem.successors):
         for q in problem.successors[stage]:
-            f_ready[q] = max(f_ready[q], f_ready[stage] + problem.f[stage] + problem.comm)
-    b_ready = [0.0] * problem.num_stages
-    for stage in reversed(order):
-        b_ready[stage] = max(
-            [f_ready[stage] + problem.f[stage]]
-            + [b_ready[q] + problem.b[q] + problem.comm for q in problem.successors[stage]]
-        )
-    return f_ready, b_ready
+            ready[q] = max(ready[q], ready[stage] + problem.f[stage] + problem.comm)
+    return ready
+
+
+def _round_trip(problem: _Problem) -> list[float]:
+    """Returns, per stage, the least time from the start of F(s, i) until B(s, i) can start:
+    F of every stage below s, then B back up (any microbatch i)."""
+    trip = list(problem.f)
+    for stage in reversed(_topological(problem.successors)):
+        for q in problem.successors[stage]:
+            via = problem.f[stage] + problem.comm + trip[q] + problem.b[q] + problem.comm
+            trip[stage] = max(trip[stage], via)
+    return trip
 
 
 def _first_backward_gap(problem: _Problem) -> list[float]:
-    """Returns, per stage, how many forwards fit between its first F and its first B's inputs:
-    the paper's warm-up rule ("as many F as fit before the first B arrives")."""
-    f_ready, b_ready = _first_microbatch(problem)
-    return [
-        (b_ready[s] - f_ready[s]) / problem.f[s] if problem.f[s] > 0 else math.inf
-        for s in range(problem.num_stages)
-    ]
+    """Returns, per stage, how many forwards fit before its first B can start: the paper's
+    warm-up rule ("as many F as fit before the first B arrives")."""
+    trip = _round_trip(problem)
+    return [trip[s] / f if (f := problem.f[s]) > 0 else math.inf for s in range(len(trip))]
 
 
 def _bound(problem: _Problem, objective: str) -> tuple[float, float]:
-    """Returns a key no schedule can beat: every device busy from its first possible F on."""
-    f_ready, _ = _first_microbatch(problem)
-    m = problem.num_microbatches
-    busy = [m * (problem.f[s] + problem.b[s] + problem.w[s]) for s in range(problem.num_stages)]
-    makespan = max(ready + work for ready, work in zip(f_ready, busy, strict=True))
-    return _key(_Timeline([], [], makespan, max(busy)), objective)
+    """Returns a key no schedule can beat, from each device's unavoidable idle time.
+
+    Until its first B can start, a device can only run F, at most floor(mem_limit) of them.
+    After its last F starts, B of that microbatch is a round trip away, and all the device
+    can run meanwhile is B and W of the k - 1 other microbatches in flight and j earlier W,
+    with k + j * w_mem within the limit. When m > floor(mem_limit) the two windows are
+    disjoint (the last F needs memory a B freed), so their idle times add up.
+    """
+    m, limit = problem.num_microbatches, problem.mem_limit
+    most_forwards = min(m, _forward_cap(problem))
+    f_ready, trip = _earliest_forward(problem), _round_trip(problem)
+    makespan = span = 0.0
+    for s in range(problem.num_stages):
+        f, b, w = problem.f[s], problem.b[s], problem.w[s]
+        start_idle = max(0.0, trip[s] - most_forwards * f)
+        tail_work = 0.0
+        for k in range(1, most_forwards + 1):
+            spare = m - k if problem.w_mem <= 0 else int((limit - k) / problem.w_mem + _EPS)
+            j = max(0, min(m - k, spare))
+            tail_work = max(tail_work, (k - 1) * b + (k - 1 + j) * w)
+        tail_idle = max(0.0, trip[s] - f - tail_work)
+        idle = start_idle + tail_idle if m > most_forwards else max(start_idle, tail_idle)
+        busy = m * (f + b + w)
+        makespan = max(makespan, f_ready[s] + busy + idle)
+        span = max(span, busy + idle)
+    return _key(_Timeline([], [], makespan, span), objective)
 
 
 def _policies(problem: _Problem) -> list[_Policy]:
