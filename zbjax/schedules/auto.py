@@ -473,11 +473,19 @@ def _bound(problem: _Problem, objective: str) -> tuple[float, float]:
     After its last F starts, B of that microbatch is a round trip away, and all the device
     can run meanwhile is B and W of the k - 1 other microbatches in flight and j earlier W,
     with k + j * w_mem within the limit. When m > floor(mem_limit) the two windows are
-    disjoint (the last F needs memory a B freed), so their idle times add up.
+    disjoint (the last F needs memory a B freed), so their idle times add up. Nor can a
+    device end before the last B of a stage below it has come back, plus one W.
     """
     m, limit = problem.num_microbatches, problem.mem_limit
     most_forwards = min(m, _forward_cap(problem))
     f_ready, trip = _earliest_forward(problem), _round_trip(problem)
+    # From a stage's first F to the end of its last B: all its own F and B, or a successor's
+    # (whose first F comes f + comm later) and the last B coming back; one W follows.
+    last_backward = [m * (problem.f[s] + problem.b[s]) for s in range(problem.num_stages)]
+    for s in reversed(_topological(problem.successors)):
+        for q in problem.successors[s]:
+            via = problem.f[s] + 2 * problem.comm + last_backward[q] + problem.b[s]
+            last_backward[s] = max(last_backward[s], via)
     makespan = span = 0.0
     for s in range(problem.num_stages):
         f, b, w = problem.f[s], problem.b[s], problem.w[s]
@@ -489,9 +497,9 @@ def _bound(problem: _Problem, objective: str) -> tuple[float, float]:
             tail_work = max(tail_work, (k - 1) * b + (k - 1 + j) * w)
         tail_idle = max(0.0, trip[s] - f - tail_work)
         idle = start_idle + tail_idle if m > most_forwards else max(start_idle, tail_idle)
-        busy = m * (f + b + w)
-        makespan = max(makespan, f_ready[s] + busy + idle)
-        span = max(span, busy + idle)
+        length = max(m * (f + b + w) + idle, last_backward[s] + w)
+        makespan = max(makespan, f_ready[s] + length)
+        span = max(span, length)
     return _key(_Timeline([], [], makespan, span), objective)
 
 
