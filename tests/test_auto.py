@@ -117,6 +117,7 @@ def test_zb_auto_runs_in_under_5_seconds_for_16_stages_and_64_microbatches():
         (6.0, 1.0, Costs(f=1.0, b=1.0, w=2.0, comm=0.5)),
         (2.0, 0.5, Costs(f=0.0, b=0.0, w=0.0, comm=0.0)),
         (8.0, 0.5, Costs(f=0.0, b=1.0, w=0.0, comm=0.5)),
+        (float("inf"), 0.5, UNIT),
     ],
 )
 def test_every_zb_auto_schedule_is_valid_and_within_its_memory_limit(mem_limit, w_mem, costs):
@@ -218,6 +219,8 @@ def test_build_zb_auto_goes_through_the_registry_with_default_limit_2p():
         ({"edges": ((0, 1), (1, 2), (2, 0))}, "cycle"),
         ({"edges": ((0, 7),)}, "edge (0, 7)"),
         ({"objective": "latency"}, "objective = 'latency'"),
+        ({"num_microbatches": 2.5}, "num_microbatches = 2.5"),
+        ({"time_limit": -1.0}, "time_limit = -1.0"),
     ],
 )
 def test_zb_auto_rejects_bad_requests_with_a_message_naming_the_value(kwargs, message):

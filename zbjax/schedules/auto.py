@@ -607,14 +607,16 @@ def _reference_orders(problem: _Problem) -> list[list[list[int]]]:
 
 
 def _check_request(
-    num_stages: int, num_microbatches: int, num_devices: int | None, mem_limit: float, w_mem: float
+    num_stages: int,
+    num_microbatches: int,
+    num_devices: int | None,
+    mem_limit: float,
+    w_mem: float,
+    time_limit: float | None,
 ) -> None:
-    if num_stages < 1:
-        raise ScheduleError(f"num_stages = {num_stages}; zb-auto needs at least 1 stage")
-    if num_microbatches < 1:
-        raise ScheduleError(
-            f"num_microbatches = {num_microbatches}; zb-auto needs at least 1 microbatch"
-        )
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name} = {value!r}; zb-auto needs an integer >= 1")
     if num_devices is not None and num_devices != num_stages:
         raise ScheduleError(
             f"zb-auto places one stage per device, but num_devices = {num_devices} and "
@@ -627,6 +629,46 @@ def _check_request(
             f"mem_limit = {mem_limit} M_B is below the 1 M_B that one forward keeps on its "
             "device until its backward; no schedule fits it. Use mem_limit >= 1"
         )
+    if time_limit is not None and not time_limit >= 0.0:
+        raise ScheduleError(f"time_limit = {time_limit} s; give a number of seconds >= 0")
+
+
+def _search(problem: _Problem, objective: str, deadline: float) -> list[list[int]]:
+    """Returns the best per-device orders found by steps 1-4 of the module docstring."""
+    scored = [(orders, None) for orders in _reference_orders(problem)]
+    for policy in _policies(problem):
+        if time.perf_counter() > deadline and scored:
+            break
+        orders = _greedy(problem, policy)
+        if orders is not None and all(_fits(problem, program) for program in orders):
+            scored.append((orders, policy))
+    timelines = [_timeline(problem, orders) for orders, _ in scored]
+    scored = [(t, o, p) for t, (o, p) in zip(timelines, scored, strict=True) if t is not None]
+    if not scored:
+        raise ScheduleError(
+            f"zb-auto found no schedule within mem_limit = {problem.mem_limit} M_B for "
+            f"{problem.num_stages} stages; raise mem_limit"
+        )
+    key, best = min(((_key(t, objective), o) for t, o, _ in scored), key=lambda item: item[0])
+    # Tune the best few greedy variants stage by stage, by the objective and (since the
+    # descent is path-dependent) by the other measure too; keep whatever beats the best.
+    other = "span" if objective == "makespan" else "makespan"
+    bound = _bound(problem, objective)
+    for measure, count in ((objective, 3), (other, 3)):
+        ranked = sorted(
+            ((_key(t, measure), p) for t, _, p in scored if p is not None),
+            key=lambda item: item[0],
+        )
+        for start_key, policy in ranked[:count]:
+            if key <= bound:
+                break  # provably optimal already
+            _, tuned = _tune(problem, policy, start_key, measure, deadline)
+            timeline = _timeline(problem, tuned) if tuned is not None else None
+            if timeline is not None and _key(timeline, objective) < key:
+                key, best = _key(timeline, objective), tuned
+    if key > bound:
+        best = _local_search(problem, best, objective, deadline, rounds=20 * problem.num_stages)
+    return best
 
 
 def zb_auto(
@@ -648,12 +690,14 @@ def zb_auto(
     device finishes: what a zbjax pipeline runs) or "span" (the paper's measure: the longest
     time any one device is busy from its first to its last action, which sets the step time
     when consecutive steps overlap). Ties on one are broken by the other. The search stops
-    after ``time_limit`` seconds (default: 2.0) or earlier when no move improves.
+    after ``time_limit`` seconds (default: 2.0), or earlier when nothing improves or the
+    result meets the lower bound. Raises ScheduleError naming the bad value for sizes < 1,
+    negative costs, mem_limit < 1, w_mem outside [0, 1] or edges that are not a DAG.
     """
     if objective not in ("makespan", "span"):
         raise ScheduleError(f"objective = {objective!r}; use 'makespan' or 'span'")
     mem_limit = 2.0 * num_stages if mem_limit is None else float(mem_limit)
-    _check_request(num_stages, num_microbatches, num_devices, mem_limit, w_mem)
+    _check_request(num_stages, num_microbatches, num_devices, mem_limit, w_mem, time_limit)
     costs = costs or Costs()
     f, b, w = costs.per_stage(num_stages)
     edges, predecessors, successors = _stage_graph(num_stages, edges)
@@ -664,47 +708,14 @@ def zb_auto(
         b,
         w,
         float(costs.comm),
-        mem_limit,
+        min(mem_limit, float(num_microbatches)),  # no schedule holds more than m forwards
         float(w_mem),
         edges,
         predecessors,
         successors,
     )
-    deadline = time.perf_counter() + (2.0 if time_limit is None else float(time_limit))
-
-    scored = [(orders, None) for orders in _reference_orders(problem)]
-    for policy in _policies(problem):
-        if time.perf_counter() > deadline and scored:
-            break
-        orders = _greedy(problem, policy)
-        if orders is not None and all(_fits(problem, program) for program in orders):
-            scored.append((orders, policy))
-    timelines = [_timeline(problem, orders) for orders, _ in scored]
-    scored = [(t, o, p) for t, (o, p) in zip(timelines, scored, strict=True) if t is not None]
-    if not scored:
-        raise ScheduleError(
-            f"zb-auto found no schedule within mem_limit = {mem_limit} M_B for "
-            f"{num_stages} stages; raise mem_limit"
-        )
-    key, best = min(((_key(t, objective), o) for t, o, _ in scored), key=lambda item: item[0])
-    # Tune the best few greedy variants stage by stage, by the objective and (since the
-    # descent is path-dependent) by the other measure too; keep whatever beats the best.
-    other = "span" if objective == "makespan" else "makespan"
-    bound = _bound(problem, objective)
-    for measure, count in ((objective, 3), (other, 3)):
-        ranked = sorted(
-            ((_key(t, measure), p) for t, _, p in scored if p is not None),
-            key=lambda item: item[0],
-        )
-        for start_key, policy in ranked[:count]:
-            if key <= bound:
-                break  # provably optimal already
-            _, tuned = _tune(problem, policy, start_key, measure, deadline)
-            timeline = _timeline(problem, tuned) if tuned is not None else None
-            if timeline is not None and _key(timeline, objective) < key:
-                key, best = _key(timeline, objective), tuned
-    if key > bound:
-        best = _local_search(problem, best, objective, deadline, rounds=20 * num_stages)
+    deadline = time.perf_counter() + (2.0 if time_limit is None else time_limit)
+    best = _search(problem, objective, deadline)
 
     actions = tuple(
         tuple(
