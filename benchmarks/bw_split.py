@@ -1,0 +1,347 @@
+"""Does splitting a stage's backward into B and W cost time? B-then-W versus the fused BW.
+
+For one stage of each reference model (MLP, GPT linen first/middle/last stage, the scanned GPT's
+middle stage), times B followed by W (two separately jitted calls, as the pipeline runs them)
+against the fused backward BW (one jitted call), in one process, alternating the two, and
+reports the median ratio together with the matmul FLOPs of B, W and BW (B + W must equal BW:
+nothing is recomputed). Writes the section "bw_split" of ``benchmarks/RESULTS.md``.
+
+Run: ``python benchmarks/bw_split.py [--repeats N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
+
+from zbjax.cost_model import matmul_flops
+from zbjax.partition import partition
+from zbjax.split import split
+from zbjax.stages import StageGraph, StageProgram
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_section  # noqa: E402
+
+COMMAND = "python benchmarks/bw_split.py"
+TARGET_RATIO = 1.05
+
+
+@dataclass(frozen=True)
+class Case:
+    """One stage to time: a model's loss, its params and ONE microbatch, and which stage."""
+
+    label: str
+    loss_fn: Callable[..., Any]
+    params: Any
+    microbatch: Any
+    num_stages: int | None
+    stage_index: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Median times (seconds) of B then W and of BW, their median per-pair ratio, and FLOPs."""
+
+    label: str
+    split_s: float
+    fused_s: float
+    b_s: float
+    w_s: float
+    ratio: float
+    flops_b: int
+    flops_w: int
+    flops_bw: int
+    stash_bytes: int
+    activation_bytes: int
+    repeats: int
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Model sizes for the cases: GPT width/seq/batch/blocks per stage, MLP width/batch/depth."""
+
+    gpt_width: int = 256
+    gpt_heads: int = 4
+    gpt_seq: int = 128
+    gpt_vocab: int = 256
+    gpt_batch: int = 8
+    blocks_per_stage: int = 2
+    mlp_width: int = 256
+    mlp_layers_per_stage: int = 4
+    mlp_batch: int = 512
+
+
+SMOKE_SIZES = Sizes(16, 2, 8, 32, 2, 1, 16, 1, 4)
+
+
+def reference_cases(sizes: Sizes) -> list[Case]:
+    """Returns the stages to time: MLP middle, GPT first/middle/last, scanned GPT middle."""
+    from models import gpt, gpt_scan, mlp
+
+    key = jax.random.key(0)
+    cases = []
+    k = sizes.mlp_layers_per_stage
+    mlp_cfg = mlp.MLPConfig(
+        in_dim=sizes.mlp_width,
+        width=sizes.mlp_width,
+        depth=3 * k,
+        out_dim=sizes.mlp_width,
+        stage_boundaries=(k - 1, 2 * k - 1),
+    )
+    mlp_batch = mlp.make_batch(jax.random.key(1), mlp_cfg, sizes.mlp_batch)
+    mlp_params = mlp.init_params(key, mlp_cfg)
+    cases.append(
+        Case(
+            f"MLP middle stage ({k} x Dense({sizes.mlp_width}), batch {sizes.mlp_batch})",
+            mlp.make_loss_fn(mlp_cfg),
+            mlp_params,
+            mlp_batch,
+            None,
+            1,
+        )
+    )
+    b = sizes.blocks_per_stage
+    gpt_cfg = gpt.GPTConfig(
+        vocab_size=sizes.gpt_vocab,
+        seq_len=sizes.gpt_seq,
+        d_model=sizes.gpt_width,
+        num_heads=sizes.gpt_heads,
+        num_layers=3 * b,
+        stage_boundaries=(b - 1, 2 * b - 1),
+    )
+    gpt_batch = gpt.make_batch(jax.random.key(1), gpt_cfg, sizes.gpt_batch)
+    gpt_params = gpt.init_params(key, gpt_cfg)
+    what = f"{b} blocks, d {sizes.gpt_width}, seq {sizes.gpt_seq}, batch {sizes.gpt_batch}"
+    gpt_loss = gpt.make_loss_fn(gpt_cfg)
+    for index, where, extra in ((0, "first", "embedding + "), (1, "middle", ""), (2, "last", "")):
+        head = " + head" if index == 2 else ""
+        cases.append(
+            Case(
+                f"GPT linen {where} ({extra}{what}{head})",
+                gpt_loss,
+                gpt_params,
+                gpt_batch,
+                None,
+                index,
+            )
+        )
+    scan_cfg = gpt.GPTConfig(
+        vocab_size=sizes.gpt_vocab,
+        seq_len=sizes.gpt_seq,
+        d_model=sizes.gpt_width,
+        num_heads=sizes.gpt_heads,
+        num_layers=3 * b,
+    )
+    cases.append(
+        Case(
+            f"GPT nn.scan middle (auto cut, {what})",
+            gpt_scan.make_loss_fn(scan_cfg),
+            gpt_scan.init_params(key, scan_cfg),
+            gpt_batch,
+            3,
+            1,
+        )
+    )
+    return cases
+
+
+def _random_like(key: jax.Array, aval: Any) -> jax.Array:
+    if jnp.issubdtype(aval.dtype, jnp.floating):
+        return jax.random.normal(key, aval.shape, aval.dtype)
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+def backward_inputs(
+    graph: StageGraph,
+    programs: Sequence[StageProgram],
+    params: Any,
+    microbatch: Any,
+    stage_index: int,
+) -> list[jax.Array]:
+    """Returns (residuals..., output cotangents...) of ``stage_index``: B's and BW's arguments.
+
+    Residuals come from running the forwards of stages 0..stage_index on the real microbatch;
+    output cotangents are random normals of the right shapes (timing does not depend on them).
+    """
+    param_leaves = jax.tree_util.tree_leaves(params)
+    batch_leaves = jax.tree_util.tree_leaves(microbatch)
+    sent: dict[int, list[Any]] = {}
+    for stage in graph.stages[: stage_index + 1]:
+        args = (
+            [param_leaves[i] for i in stage.param_leaves]
+            + [batch_leaves[i] for i in stage.batch_leaves]
+            + [v for e in stage.in_edges for v in sent[e]]
+        )
+        outs = list(jax.jit(jaxpr_as_fun(programs[stage.index].forward))(*args))
+        num_out = len(stage.output_differentiable)
+        start = 0
+        for e in stage.out_edges:
+            n = len(graph.edges[e].values)
+            sent[e] = outs[start : start + n]
+            start += n
+    residuals = outs[num_out:]
+    stage = graph.stages[stage_index]
+    if stage_index == graph.loss_stage:
+        return residuals + [jnp.asarray(1.0, stage.jaxpr.out_avals[0].dtype)]
+    keys = iter(jax.random.split(jax.random.key(2), num_out))
+    cts = [
+        _random_like(next(keys), aval)
+        for aval, differentiable in zip(
+            stage.jaxpr.out_avals, stage.output_differentiable, strict=True
+        )
+        if differentiable
+    ]
+    return residuals + cts
+
+
+def _block(x: Any) -> Any:
+    return jax.block_until_ready(x)
+
+
+def measure(case: Case, repeats: int) -> Measurement:
+    """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs."""
+    graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
+    programs = split(graph)
+    program = programs[case.stage_index]
+    args = backward_inputs(graph, programs, case.params, case.microbatch, case.stage_index)
+    backward_input = jax.jit(jaxpr_as_fun(program.backward_input))
+    backward_weight = jax.jit(jaxpr_as_fun(program.backward_weight))
+    backward = jax.jit(jaxpr_as_fun(program.backward))
+    num_in = sum(graph.stages[case.stage_index].input_differentiable)
+
+    b_times, w_times = [], []
+
+    def run_split() -> Any:
+        # Waiting for B before W starts costs one host sync and tells how the time divides.
+        began = time.perf_counter()
+        outs = _block(backward_input(*args))
+        middle = time.perf_counter()
+        grads = _block(backward_weight(*outs[num_in:]))
+        b_times.append(middle - began)
+        w_times.append(time.perf_counter() - middle)
+        return outs[:num_in], grads
+
+    def run_fused() -> Any:
+        return _block(backward(*args))
+
+    for _ in range(3):  # compile and warm up both
+        run_split()
+        run_fused()
+    del b_times[:], w_times[:]
+    split_times, fused_times = [], []
+    for r in range(repeats):
+        # Alternate which variant goes first so that drift in machine load hits both alike.
+        order = (run_split, run_fused) if r % 2 == 0 else (run_fused, run_split)
+        for fn in order:
+            began = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - began
+            (split_times if fn is run_split else fused_times).append(elapsed)
+    ratios = [s / f for s, f in zip(split_times, fused_times, strict=True)]
+    return Measurement(
+        case.label,
+        statistics.median(split_times),
+        statistics.median(fused_times),
+        statistics.median(b_times),
+        statistics.median(w_times),
+        statistics.median(ratios),
+        matmul_flops(program.backward_input),
+        matmul_flops(program.backward_weight),
+        matmul_flops(program.backward),
+        program.stash_bytes,
+        program.activation_bytes,
+        repeats,
+    )
+
+
+def machine_load() -> str:
+    """Returns the output of ``uptime`` (load averages), or a note that it is unavailable."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"load average {os.getloadavg()}"
+
+
+def table(measurements: Sequence[Measurement]) -> str:
+    """Returns the markdown table of measurements."""
+    rows = [
+        "| stage | B then W (ms) | of which B | of which W | BW (ms) | ratio (median of pairs) "
+        "| B GFLOP | W GFLOP | BW GFLOP | B + W == BW | residuals MB | stash MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in measurements:
+        same = "yes" if m.flops_b + m.flops_w == m.flops_bw else "NO"
+        rows.append(
+            f"| {m.label} | {m.split_s * 1e3:.2f} | {m.b_s * 1e3:.2f} | {m.w_s * 1e3:.2f} | "
+            f"{m.fused_s * 1e3:.2f} | {m.ratio:.3f} | {m.flops_b / 1e9:.3f} | "
+            f"{m.flops_w / 1e9:.3f} | {m.flops_bw / 1e9:.3f} | {same} | "
+            f"{m.activation_bytes / 1e6:.1f} | {m.stash_bytes / 1e6:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Returns 0 after timing every case and writing the "bw_split" section."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=41, help="timed pairs per stage")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+    load_before = machine_load()
+    measurements = []
+    for case in reference_cases(Sizes()):
+        m = measure(case, args.repeats)
+        print(
+            f"{m.label}: split {m.split_s * 1e3:.2f} ms, fused {m.fused_s * 1e3:.2f} ms, "
+            f"ratio {m.ratio:.3f}",
+            flush=True,
+        )
+        measurements.append(m)
+    load_after = machine_load()
+    worst = max(m.ratio for m in measurements)
+    flops_equal = all(m.flops_b + m.flops_w == m.flops_bw for m in measurements)
+    body = "\n".join(
+        [
+            "## B/W split overhead: B then W versus fused BW, per stage",
+            "",
+            f"Made by `{COMMAND} --repeats {args.repeats}` on CPU "
+            f"({jax.devices()[0].device_kind}, {os.cpu_count()} cores, jax {jax.__version__}).",
+            "Each stage's B and W are jitted separately and run back to back (as the pipeline "
+            "runs them, W consuming B's stash), BW is the fused backward jitted as one call. "
+            f"The two alternate (A B B A ...) {args.repeats} times after warm-up; times are "
+            "medians, the ratio is the median over pairs of (B then W) / BW; the B and W "
+            "columns are the medians of each half (the host waits for B before starting W). "
+            "FLOPs are matmul FLOPs counted on the jaxprs (`zbjax.cost_model.matmul_flops`); "
+            "residuals MB is M_B (`activation_bytes`, kept from F to B), stash MB is M_W "
+            "(`stash_bytes`, what B writes out for W). Writing the stash to memory and reading "
+            "it back is work the fused BW does not do, which is where a ratio above 1 comes from "
+            "on a bandwidth-bound CPU.",
+            "",
+            table(measurements),
+            "",
+            f"Target: ratio ≤ {TARGET_RATIO}. Worst ratio measured: {worst:.3f} "
+            f"({'met' if worst <= TARGET_RATIO else 'NOT met'}). "
+            f"B + W FLOPs equal BW FLOPs for every stage: {'yes' if flops_equal else 'NO'}.",
+            "",
+            f"Machine load before: `{load_before}`; after: `{load_after}` (the machine is "
+            "shared, so absolute times are noisy; the alternating ratio is the number to read).",
+            f"Took {time.perf_counter() - began:.0f} s.",
+        ]
+    )
+    path = write_section("bw_split", body)
+    print(f"wrote {path}")
+    return 0 if flops_equal else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
