@@ -1,6 +1,8 @@
 """Pipeline schedules as plain data: build, validate, simulate and draw (imports no JAX)."""
 
 from zbjax.schedules.auto import zb_auto as zb_auto
+from zbjax.schedules.dag import dag_1f1b as dag_1f1b
+from zbjax.schedules.dag import dag_zb as dag_zb
 from zbjax.schedules.generators import v_placement as v_placement
 from zbjax.schedules.ir import KINDS as KINDS
 from zbjax.schedules.ir import Action as Action
@@ -13,6 +15,7 @@ from zbjax.schedules.plot import chrome_trace as chrome_trace
 from zbjax.schedules.plot import gantt as gantt
 from zbjax.schedules.plot import text_grid as text_grid
 from zbjax.schedules.plot import write_trace as write_trace
+from zbjax.schedules.registry import DAG_SCHEDULE_NAMES as DAG_SCHEDULE_NAMES
 from zbjax.schedules.registry import SCHEDULE_NAMES as SCHEDULE_NAMES
 from zbjax.schedules.registry import build as build
 from zbjax.schedules.simulate import backward_kinds as backward_kinds

@@ -3,6 +3,9 @@
 Defaults for ``num_devices``: ``num_stages`` for gpipe, 1f1b, zb-h1, zb-h2 and zb-auto;
 ``num_stages / 2`` for zb-v (two stages per device, V placement) and for interleaved-1f1b
 (two stages per device, loop placement; pass ``num_devices`` for other ratios).
+The DAG schedules ``dag-1f1b`` and ``dag-zb`` (``DAG_SCHEDULE_NAMES``) take the stage graph
+as options: ``edges=[(src, dst), ...]`` and ``placement=(device of each stage, ...)``, with
+``num_stages = len(placement)``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import numbers
 from typing import Any
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules import generators
+from zbjax.schedules import dag, generators
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.schedules.simulate import peak_memory
 from zbjax.schedules.validate import validate
@@ -28,6 +31,9 @@ SCHEDULE_NAMES: tuple[str, ...] = (
     "zb-v",
     "zb-auto",
 )
+
+#: Schedules on a stage DAG (graph pipelines): they take ``edges=`` and ``placement=``.
+DAG_SCHEDULE_NAMES: tuple[str, ...] = ("dag-1f1b", "dag-zb")
 
 # Schedules whose construction adapts to a memory limit (the others have a fixed peak).
 _LIMITED = {"zb-h1": generators.zb_h1, "zb-h2": generators.zb_h2, "zb-v": generators.zb_v}
@@ -78,6 +84,48 @@ def _zb_auto(
     )
 
 
+def _dag(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_devices: int | None,
+    costs: Costs | None,
+    mem_limit: float | None,
+    w_mem: float,
+    options: dict[str, Any],
+) -> Schedule:
+    """Returns dag-1f1b or dag-zb for the ``edges`` and ``placement`` options."""
+    unknown = set(options) - {"edges", "placement", "stage_names"}
+    missing = {"edges", "placement"} - set(options)
+    if unknown or missing:
+        raise ScheduleError(
+            f"{name} takes the options edges=[(src, dst), ...] and placement=(device of each "
+            "stage, ...), and optionally stage_names; "
+            + (f"missing {sorted(missing)}" if missing else f"unknown {sorted(unknown)}")
+        )
+    placement = tuple(options["placement"])
+    if len(placement) != num_stages:
+        raise ScheduleError(
+            f"{name}: num_stages = {num_stages} but placement has {len(placement)} entries; "
+            "pass num_stages=len(placement)"
+        )
+    if num_devices is not None and num_devices != max(placement, default=-1) + 1:
+        raise ScheduleError(
+            f"{name}: num_devices = {num_devices} but placement {placement} uses "
+            f"{max(placement, default=-1) + 1} devices; leave num_devices out"
+        )
+    edges, names = options["edges"], options.get("stage_names")
+    if name == "dag-1f1b":
+        schedule = dag.dag_1f1b(edges, placement, num_microbatches, names)
+        if mem_limit is not None and max(peak_memory(schedule)) > mem_limit + 1e-9:
+            raise ScheduleError(
+                f"dag-1f1b needs {max(peak_memory(schedule)):g} M_B per device, above "
+                f"mem_limit = {mem_limit:g}; raise mem_limit or use dag-zb, which fits a limit"
+            )
+        return schedule
+    return dag.dag_zb(edges, placement, num_microbatches, mem_limit, w_mem, costs, names)
+
+
 def build(
     name: str,
     num_stages: int,
@@ -95,9 +143,10 @@ def build(
     peak is above it. ``costs`` is used by zb-auto and checked for every name; the fixed
     schedules are the papers' handcrafted orders for equal costs.
     """
-    if name not in SCHEDULE_NAMES:
+    if name not in SCHEDULE_NAMES + DAG_SCHEDULE_NAMES:
         raise ScheduleError(
-            f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULE_NAMES)}"
+            f"unknown schedule {name!r}; choose one of: "
+            f"{', '.join(SCHEDULE_NAMES + DAG_SCHEDULE_NAMES)}"
         )
     for label, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -121,7 +170,11 @@ def build(
                 f"mem_limit = {mem_limit:g} M_B is below 1 M_B, the activation of the single "
                 "forward every schedule must hold; raise mem_limit to at least 1"
             )
-    if name == "zb-auto":
+    if name in DAG_SCHEDULE_NAMES:
+        schedule = _dag(
+            name, num_stages, num_microbatches, num_devices, costs, mem_limit, w_mem, options
+        )
+    elif name == "zb-auto":
         schedule = _zb_auto(
             num_stages, num_microbatches, num_devices, costs, mem_limit, w_mem, options
         )
