@@ -190,11 +190,13 @@ def test_zb_auto_finds_the_optimal_makespan_of_a_2_stage_pipeline(m, costs, mem_
     [((0, 1), (0, 2), (1, 3), (2, 3)), ((0, 2), (1, 2), (2, 3)), ((0, 1), (0, 2), (0, 3))],
 )
 def test_zb_auto_schedules_a_stage_dag(edges):
-    costs = Costs(f=(1.0, 2.0, 1.0, 1.0), b=(1.0, 2.0, 1.0, 1.0), w=1.0, comm=0.1)
-    for mem_limit in (1.0, 4.0):
-        schedule = zb_auto(4, 8, costs=costs, mem_limit=mem_limit, edges=edges)
-        assert schedule.edges == edges
-        _check(schedule, costs)
+    uneven = Costs(f=(1.0, 2.0, 1.0, 1.0), b=(1.0, 2.0, 1.0, 1.0), w=1.0, comm=0.1)
+    free_backward = Costs(f=1.0, b=0.0, w=0.0, comm=0.0)  # zero-length actions at fan-in/out
+    for costs in (uneven, free_backward):
+        for mem_limit in (1.0, 4.0):
+            schedule = zb_auto(4, 8, costs=costs, mem_limit=mem_limit, edges=edges, time_limit=1.0)
+            assert schedule.edges == edges
+            _check(schedule, costs)
 
 
 def test_build_zb_auto_goes_through_the_registry_with_default_limit_2p():

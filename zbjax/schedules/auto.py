@@ -32,6 +32,7 @@ step time when consecutive steps overlap). Searches stop when nothing improves o
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Sequence
@@ -200,10 +201,9 @@ def _greedy(problem: _Problem, policy: _Policy) -> list[list[int]] | None:
     num_stages, m = problem.num_stages, problem.num_microbatches
     inputs, duration, delta = problem.inputs, problem.duration, problem.memory_delta
     end = [-1.0] * problem.num_actions
-    clock = [0.0] * num_stages
+    clock = [0.0] * num_stages  # when each device decides next
     last_end = [-1.0] * num_stages
     idle = [0.0] * num_stages
-    stalled = [False] * num_stages
     counts = [[0, 0, 0] for _ in range(num_stages)]
     memory = [0.0] * num_stages
     orders: list[list[int]] = [[] for _ in range(num_stages)]
@@ -268,27 +268,35 @@ def _greedy(problem: _Problem, policy: _Policy) -> list[list[int]] | None:
             return f_id
         return max(wake, now)
 
-    remaining = problem.num_actions
-    while remaining:
-        active = [s for s in range(num_stages) if len(orders[s]) < 3 * m]
-        stage = min(active, key=lambda s: (clock[s], stalled[s], s))
-        now = clock[stage]
-        if stalled[stage]:
-            return None  # every device that could act now waits on another: no progress
+    # Devices by next decision time, then stage; a device whose inputs may come at this very
+    # time (zero-length actions) is stalled: it lets the others at that time go first.
+    queue = [(0.0, 0, stage, stage) for stage in range(num_stages)]
+    stalls = turns = 0
+    while queue:
+        now, _, _, stage = heapq.heappop(queue)
         choice = choose(stage, now)
         if isinstance(choice, float):
-            stalled[stage] = choice <= now + _EPS
+            stalled = choice <= now + _EPS
+            stalls = stalls + 1 if stalled else 0
+            if stalls > len(queue):
+                return None  # every device waits on another at this time: no progress
             clock[stage] = choice
+            # A stalled device goes behind the other stalled ones, so each gets a turn.
+            turns += 1
+            heapq.heappush(
+                queue, (choice, 1, turns, stage) if stalled else (choice, 0, stage, stage)
+            )
             continue
+        stalls = 0
         kind = choice // (num_stages * m)
         if last_end[stage] >= 0:
             idle[stage] += now - last_end[stage]
         end[choice] = last_end[stage] = clock[stage] = now + duration[choice]
-        stalled = [False] * num_stages  # a new end time may unblock a stalled device
         counts[stage][kind] += 1
         memory[stage] += delta[kind]
         orders[stage].append(choice)
-        remaining -= 1
+        if len(orders[stage]) < 3 * m:
+            heapq.heappush(queue, (end[choice], 0, stage, stage))
     return orders
 
 
