@@ -517,12 +517,14 @@ def _policies(problem: _Problem) -> list[_Policy]:
     gap = _first_backward_gap(problem)
     cap = _forward_cap(problem)
     longest = max(depth)
-    # 1F1B's depth (plus a margin), the time that the first B takes to come back, or memory.
-    shapes = [[d + extra for d in depth] for extra in (0, 1, 2, longest // 2, longest)]
-    shapes += [
+    # As many F as fit before the first B comes back (scaled), 1F1B's depth (plus a margin),
+    # or as many as memory allows. The first shapes win most often, so they go first for
+    # when the time limit cuts this list short.
+    shapes = [
         [math.ceil(scale * g - _EPS) if g < math.inf else cap for g in gap]
-        for scale in (0.5, 0.75, 1.0, 1.25)
+        for scale in (1.0, 0.75, 1.25, 0.5)
     ]
+    shapes += [[d + extra for d in depth] for extra in (0, 1, 2, longest // 2, longest)]
     shapes.append([cap] * problem.num_stages)
     warmups = []
     for shape in shapes:
