@@ -1,0 +1,157 @@
+"""``zbjax demo`` and its corpus: a short pipelined training run matches unpipelined training."""
+
+import dataclasses
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+
+from zbjax.cli import main
+from zbjax.data import ALPHABET, CharTokenizer, batch_at, synthetic_sentence, synthetic_text
+from zbjax.demo import DemoConfig, Progress, StepInfo, compare_first_step, run_demo, summary
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+#: A short demo: tiny GPT, 4 pipeline devices, 5 steps.
+TINY = DemoConfig(
+    devices=4,
+    microbatches=4,
+    layers=4,
+    width=16,
+    heads=2,
+    steps=5,
+    batch_size=8,
+    seq_len=16,
+    lr=1e-2,
+    corpus_chars=4096,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Returns (DemoResult, the report passed to on_report, the steps passed to on_step)."""
+    out = tmp_path_factory.mktemp("demo")
+    reports, steps = [], []
+    result = run_demo(
+        dataclasses.replace(TINY, out_dir=str(out)), on_report=reports.append, on_step=steps.append
+    )
+    return result, reports, steps
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def test_synthetic_text_is_deterministic_lower_case_sentences():
+    text = synthetic_text(2000, seed=3)
+    assert text == synthetic_text(2000, seed=3)
+    assert text != synthetic_text(2000, seed=4)
+    assert len(text) >= 2000
+    assert set(text) <= set(ALPHABET)
+    assert synthetic_sentence(random.Random(0)).endswith(".")
+
+
+def test_char_tokenizer_round_trips_and_names_unknown_characters():
+    tokenizer = CharTokenizer()
+    text = synthetic_text(500)
+    ids = tokenizer.encode(text)
+    assert ids.dtype == np.int32 and ids.max() < tokenizer.vocab_size
+    assert tokenizer.decode(ids) == text
+    with pytest.raises(ValueError, match="'Q'"):
+        tokenizer.encode("a Quick fox")
+
+
+def test_batch_at_gives_shifted_windows_that_depend_only_on_seed_and_step():
+    tokens = np.arange(100, dtype=np.int32)
+    batch = batch_at(tokens, step=2, batch_size=4, seq_len=8, seed=1)
+    assert batch["tokens"].shape == batch["targets"].shape == (4, 8)
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["tokens"][:, 1:])
+    np.testing.assert_array_equal(batch["tokens"][:, 1:] - batch["tokens"][:, :-1], 1)
+    again = batch_at(tokens, step=2, batch_size=4, seq_len=8, seed=1)
+    np.testing.assert_array_equal(batch["tokens"], again["tokens"])
+    other = batch_at(tokens, step=3, batch_size=4, seq_len=8, seed=1)
+    assert not np.array_equal(batch["tokens"], other["tokens"])
+    with pytest.raises(ValueError, match="seq_len=100"):
+        batch_at(tokens, step=0, batch_size=1, seq_len=100)
+
+
+# ----------------------------------------------------------------------------- the demo run
+
+
+def test_short_pipelined_run_lowers_the_loss(tiny_run):
+    result, _, _ = tiny_run
+    assert (result.num_devices, result.num_stages) == (4, 4)
+    assert len(result.losses) == len(result.step_seconds) == 5
+    assert result.loss_decreased
+    assert result.losses[-1] < result.losses[0] - 0.05
+
+
+def test_first_step_equals_unpipelined_value_and_grad(tiny_run):
+    first = tiny_run[0].first_step
+    assert first.passed
+    assert first.loss == pytest.approx(first.reference_loss, rel=1e-5)
+    assert first.grad_max_rel_diff < 1e-4
+
+
+def test_final_loss_equals_unpipelined_adamw_run_of_the_same_steps(tiny_run):
+    result = tiny_run[0]
+    final = result.final
+    assert final is not None and final.passed
+    assert final.loss == pytest.approx(final.reference_loss, rel=1e-4)
+    np.testing.assert_allclose(result.losses, final.reference_losses, rtol=1e-4)
+    assert result.passed
+
+
+def test_report_progress_and_schedule_files(tiny_run):
+    result, reports, steps = tiny_run
+    assert len(reports) == 1
+    assert "4 stages on 4 devices" in reports[0]
+    assert "per-device memory" in reports[0]
+    assert [s.step for s in steps] == list(range(5))
+    assert 0 < steps[0].bubble_rate < 1
+    png = next(p for p in result.files if p.endswith(".png"))
+    trace = next(p for p in result.files if p.endswith(".json"))
+    with open(png, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 3 * 4 * 4  # F, B and W of 4 stages x 4 microbatches
+    text = summary(result)
+    assert text.count("PASS") == 2 and "FAIL" not in text
+
+
+def test_first_step_check_fails_on_a_wrong_gradient():
+    ref = {"a": np.array([1.0, -2.0]), "b": np.array([0.5])}
+    wrong = {"a": np.array([1.0, -2.0]), "b": np.array([0.6])}
+    good = compare_first_step(1.0, ref, 1.0, ref)
+    bad = compare_first_step(1.0, wrong, 1.0, ref)
+    assert good.passed and good.grad_max_abs_diff == 0
+    assert not bad.passed
+    assert bad.worst_leaf == "['b']"
+    assert bad.grad_max_rel_diff == pytest.approx(0.2)
+
+
+def test_progress_prints_lines_in_a_log_and_a_carriage_return_bar_on_a_terminal():
+    infos = [StepInfo(i, 3, 3.0 - i, 0.5, 2048.0, 0.25) for i in range(3)]
+    log = io.StringIO()
+    for info in infos:
+        Progress(log, tty=False)(info)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in log.getvalue()
+    assert lines[2].startswith("step 3/3") and "loss 1.0000" in lines[2]
+    assert "2,048 tok/s" in lines[2] and "25.0%" in lines[2]
+    term = io.StringIO()
+    for info in infos:
+        Progress(term, tty=True)(info)
+    assert term.getvalue().count("\r") == 3 and term.getvalue().endswith("\n")
+    assert "[" + "#" * 24 + "]" in term.getvalue()
+
+
+def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys):
+    assert main(["demo", "--batch-size", "6", "--microbatches", "4", "--devices", "2"]) == 2
+    assert "batch_size=6" in capsys.readouterr().err
+    assert main(["demo", "--devices", "2", "--layers", "1", "--stages", "4"]) == 2
+    assert "layers" in capsys.readouterr().err
+    assert main(["demo", "--steps", "0"]) == 2
+    assert "--steps 0" in capsys.readouterr().err

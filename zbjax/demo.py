@@ -1,0 +1,532 @@
+"""``zbjax demo``: train the reference GPT pipelined over a device mesh, and check it.
+
+``run_demo(DemoConfig(...))`` trains ``models.gpt`` on a character-level corpus that
+``zbjax.data`` generates at run time, with ``zbjax.pipeline`` over a 1-D ``pp`` mesh and
+``optax.adamw``, and returns a ``DemoResult``: the loss curve, step times, the first step
+compared with ``jax.value_and_grad(loss_fn)``, and the final loss compared with an unpipelined
+run of the same steps (same batches, same optimizer). The command line (``zbjax.cli``) only
+prints what the callbacks and the result say.
+
+Choices a user would want to know:
+
+- The model is cut with ``stage_boundary`` markers at ``balanced_boundaries(cfg, num_stages)``
+  (embedding with the first block, the final LayerNorm and tied head with the last), and the
+  schedule is built here from the same per-stage FLOP estimates, so that the Gantt chart, the
+  trace and the bubble rate on the progress line describe the schedule that actually runs.
+- Params stay in the pipeline's staged layout between steps (``pipe.stage``), and adamw updates
+  that layout directly: each device updates only the rows of its own stages. adamw is
+  elementwise, and a tied leaf's copies all receive the summed gradient, so this equals adamw on
+  the user layout; padding stays zero because its gradient is zero.
+- On CPU the demo asks JAX for 8 host devices (more when ``devices`` is larger) before the
+  backend starts; when the backend is already running (in tests) it uses the devices present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import jax
+import numpy as np
+
+from zbjax import schedules
+from zbjax.data import CharTokenizer, batch_at, synthetic_text
+from zbjax.errors import PipelineError
+from zbjax.pipeline import TWO_STAGES_PER_DEVICE
+from zbjax.pipeline import pipeline as make_pipeline
+
+if TYPE_CHECKING:  # optax is imported where it is used: building the CLI parser stays fast
+    import optax
+
+#: Host devices the demo asks for on CPU when ``devices`` is not larger.
+CPU_DEVICES = 8
+
+#: First-step check: |loss - ref| <= LOSS_RTOL * |ref|, and for every leaf
+#: max|grad - ref| <= GRAD_ATOL + GRAD_RTOL * max|ref|.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+GRAD_ATOL = 1e-6
+#: Final check: the last step's loss of both runs agree to this relative tolerance.
+FINAL_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What to train and how; defaults finish in about a minute on a 2-core CPU."""
+
+    schedule: str = "zb-h1"
+    devices: int | None = None  # pp size; None: every device present, at most 8
+    stages: int | None = None  # None: devices, or 2 x devices for zb-v / interleaved-1f1b
+    microbatches: int = 8
+    layers: int = 8
+    width: int = 64
+    heads: int = 4
+    steps: int = 40
+    batch_size: int = 32
+    seq_len: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    corpus_chars: int = 32_768
+    out_dir: str | None = "zbjax-demo"  # Gantt PNG and schedule trace; None: write nothing
+    profile_dir: str | None = None  # jax.profiler trace of two steps after the first
+    check_final: bool = True  # also train unpipelined and compare the final loss
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One finished training step, as the progress display shows it."""
+
+    step: int  # 0-based
+    num_steps: int
+    loss: float
+    seconds: float  # wall time of this step (the first includes compilation)
+    tokens_per_second: float
+    bubble_rate: float
+
+
+@dataclass(frozen=True)
+class FirstStepCheck:
+    """The first step's loss and grads against ``jax.value_and_grad(loss_fn)`` unpipelined."""
+
+    loss: float
+    reference_loss: float
+    loss_rel_diff: float
+    grad_max_abs_diff: float
+    grad_max_rel_diff: float  # max over leaves of max|g - ref| / max|ref|
+    worst_leaf: str
+    passed: bool
+
+
+@dataclass(frozen=True)
+class FinalCheck:
+    """The pipelined run's last loss and params against an unpipelined run of the same steps."""
+
+    loss: float
+    reference_loss: float
+    loss_rel_diff: float
+    param_max_abs_diff: float
+    reference_losses: tuple[float, ...]
+    passed: bool
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What ``run_demo`` measured: losses, timings, checks, and the files it wrote."""
+
+    config: DemoConfig
+    num_devices: int
+    num_stages: int
+    num_params: int
+    losses: tuple[float, ...]
+    step_seconds: tuple[float, ...]
+    tokens_per_step: int
+    bubble_rate: float
+    first_step: FirstStepCheck
+    final: FinalCheck | None
+    files: tuple[str, ...]
+    notes: tuple[str, ...]
+    wall_seconds: float
+
+    @property
+    def loss_decreased(self) -> bool:
+        """Returns whether the last step's loss is below the first's."""
+        return self.losses[-1] < self.losses[0]
+
+    @property
+    def passed(self) -> bool:
+        """Returns whether the first-step check and (when run) the final check passed."""
+        return self.first_step.passed and (self.final is None or self.final.passed)
+
+
+def request_cpu_devices(num_devices: int | None) -> bool:
+    """Returns whether JAX will start with ``max(8, num_devices)`` CPU devices.
+
+    Must run before the first JAX computation: afterwards the device count is fixed and this
+    returns False, leaving the devices as they are. It changes only the CPU backend, so it is
+    harmless where accelerators are present.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", max(CPU_DEVICES, num_devices or 0))
+    except RuntimeError:  # the backend is already running
+        return False
+    return True
+
+
+def _check_config(config: DemoConfig) -> None:
+    positive = ("microbatches", "layers", "width", "heads", "steps", "batch_size", "seq_len")
+    for name in positive:
+        value = getattr(config, name)
+        if value < 1:
+            raise PipelineError(f"{name}={value}; it must be at least 1")
+    for name in ("devices", "stages"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise PipelineError(f"{name}={value}; it must be at least 1")
+    if config.width % config.heads:
+        raise PipelineError(
+            f"width={config.width} is not divisible by heads={config.heads}; choose a width "
+            f"that is a multiple of {config.heads} or fewer heads"
+        )
+    if config.batch_size % config.microbatches:
+        raise PipelineError(
+            f"batch_size={config.batch_size} is not divisible by "
+            f"microbatches={config.microbatches}; use a batch size that is a multiple of "
+            f"{config.microbatches}"
+        )
+    if not config.lr > 0:
+        raise PipelineError(f"lr={config.lr}; the learning rate must be > 0")
+
+
+def _pp_mesh(num_devices: int | None) -> jax.sharding.Mesh:
+    available = jax.devices()
+    count = num_devices if num_devices is not None else min(CPU_DEVICES, len(available))
+    if count > len(available):
+        raise PipelineError(
+            f"devices={count} but only {len(available)} {available[0].platform} devices are "
+            f"present; ask for at most {len(available)} (on CPU, run the demo in a fresh "
+            "process so that it can create the host devices it needs)"
+        )
+    return jax.make_mesh(
+        (count,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,), devices=available[:count]
+    )
+
+
+def _gpt_config(config: DemoConfig, vocab_size: int, num_stages: int):
+    from models import gpt
+
+    cfg = gpt.GPTConfig(
+        vocab_size=vocab_size,
+        seq_len=config.seq_len,
+        d_model=config.width,
+        num_heads=config.heads,
+        num_layers=config.layers,
+        data_seed=config.seed,
+    )
+    if num_stages > config.layers + 1:
+        raise PipelineError(
+            f"{config.layers} layers make {config.layers + 1} chain units (the blocks, then the "
+            f"head), too few for {num_stages} stages; use layers >= {num_stages - 1} or fewer "
+            "stages"
+        )
+    cuts = gpt.balanced_boundaries(cfg, num_stages)
+    return dataclasses.replace(cfg, stage_boundaries=cuts)
+
+
+def stage_costs(cfg: Any) -> schedules.Costs:
+    """Returns per-stage F/B/W costs of the GPT cut at ``cfg.stage_boundaries``, in units of
+    the costliest stage's forward (B = W = F: each matmul's two backward products)."""
+    from models import gpt
+
+    units = gpt.unit_costs(cfg)  # [embedding + block 0, blocks 1.., head]
+    ends = [b + 1 for b in cfg.stage_boundaries] + [len(units)]
+    starts = [0] + ends[:-1]
+    forward = [float(sum(units[a:b])) for a, b in zip(starts, ends, strict=True)]
+    top = max(forward)
+    forward = tuple(f / top for f in forward)
+    return schedules.Costs(f=forward, b=forward, w=forward)
+
+
+def _max_abs(x: Any) -> float:
+    return float(np.max(np.abs(np.asarray(x)))) if np.size(x) else 0.0
+
+
+def compare_first_step(
+    loss: float, grads: Any, reference_loss: float, reference_grads: Any
+) -> FirstStepCheck:
+    """Returns the first-step comparison of pipelined (loss, grads) with the reference."""
+    abs_diff = 0.0
+    rel_diff = 0.0
+    worst = ""
+    passed = abs(loss - reference_loss) <= LOSS_RTOL * abs(reference_loss)
+    paths = jax.tree_util.tree_flatten_with_path(reference_grads)[0]
+    for (path, ref), got in zip(paths, jax.tree.leaves(grads), strict=True):
+        diff = _max_abs(np.asarray(got) - np.asarray(ref))
+        scale = _max_abs(ref)
+        rel = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+        passed = passed and diff <= GRAD_ATOL + GRAD_RTOL * scale
+        if rel >= rel_diff:
+            rel_diff, worst = rel, jax.tree_util.keystr(path)
+        abs_diff = max(abs_diff, diff)
+    return FirstStepCheck(
+        loss=loss,
+        reference_loss=reference_loss,
+        loss_rel_diff=abs(loss - reference_loss) / abs(reference_loss),
+        grad_max_abs_diff=abs_diff,
+        grad_max_rel_diff=rel_diff,
+        worst_leaf=worst,
+        passed=passed,
+    )
+
+
+def _adamw_step(optimizer: optax.GradientTransformation):
+    import optax
+
+    def apply(grads, state, params):
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(apply)
+
+
+def _reference_run(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batches: Callable[[int], dict[str, np.ndarray]],
+    num_steps: int,
+    optimizer: optax.GradientTransformation,
+) -> tuple[list[float], Any, tuple[float, Any]]:
+    """Returns (losses, final params, (first loss, first grads)) of unpipelined training."""
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
+    apply = _adamw_step(optimizer)
+    state = optimizer.init(params)
+    losses = []
+    first = None
+    for step in range(num_steps):
+        loss, grads = value_and_grad(params, batches(step))
+        if first is None:
+            first = (float(loss), jax.tree.map(np.asarray, grads))
+        losses.append(float(loss))
+        params, state = apply(grads, state, params)
+    assert first is not None
+    return losses, params, first
+
+
+def run_demo(
+    config: DemoConfig,
+    on_report: Callable[[str], None] | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+) -> DemoResult:
+    """Returns the ``DemoResult`` of training the GPT pipelined as ``config`` says.
+
+    ``on_report`` receives the pipeline report (stages, params per stage, schedule grid,
+    per-device memory) once the step is compiled; ``on_step`` receives every finished step.
+    """
+    import optax
+
+    from models import gpt
+
+    started = time.perf_counter()
+    _check_config(config)
+    request_cpu_devices(config.devices)
+    mesh = _pp_mesh(config.devices)
+    num_devices = int(mesh.shape["pp"])
+    num_stages = config.stages or num_devices * (
+        2 if config.schedule in TWO_STAGES_PER_DEVICE else 1
+    )
+
+    tokenizer = CharTokenizer()
+    corpus = tokenizer.encode(synthetic_text(config.corpus_chars, seed=config.seed))
+    cfg = _gpt_config(config, tokenizer.vocab_size, num_stages)
+
+    def batches(step: int) -> dict[str, np.ndarray]:
+        return batch_at(corpus, step, config.batch_size, config.seq_len, seed=config.seed)
+
+    costs = stage_costs(cfg)
+    schedule = schedules.build(
+        config.schedule,
+        num_stages,
+        config.microbatches,
+        num_devices=num_devices,
+        costs=costs,
+    )
+    simulated = schedules.simulate(schedule, costs)
+    notes: list[str] = []
+    files = _write_schedule_files(schedule, costs, config.out_dir, notes)
+
+    loss_fn = gpt.make_loss_fn(cfg)
+    params = gpt.init_params(jax.random.key(config.seed), cfg)
+    pipe = make_pipeline(
+        loss_fn,
+        mesh=mesh,
+        axis_name="pp",
+        schedule=schedule,
+        num_microbatches=config.microbatches,
+        num_stages=num_stages,
+    )
+    optimizer = optax.adamw(config.lr, weight_decay=config.weight_decay)
+    apply = _adamw_step(optimizer)
+    pipe.lower(params, batches(0))  # builds the stage programs, so that params can be staged
+    staged = pipe.stage(params)
+    state = optimizer.init(staged)
+
+    tokens_per_step = config.batch_size * config.seq_len
+    # Profile two steps after the first, whose time is mostly compilation.
+    profile_start = min(1, config.steps - 1)
+    profile_last = min(profile_start + 1, config.steps - 1)
+    losses: list[float] = []
+    seconds: list[float] = []
+    first_grads = None
+    for step in range(config.steps):
+        batch = batches(step)
+        profiling = config.profile_dir is not None and profile_start <= step <= profile_last
+        if profiling and step == profile_start:
+            jax.profiler.start_trace(config.profile_dir)
+        tick = time.perf_counter()
+        annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
+        with annotation if profiling else nullcontext():
+            loss, grads = pipe.value_and_grad(staged, batch)
+            staged, state = apply(grads, state, staged)
+            loss = float(loss)
+            jax.block_until_ready(staged)
+        elapsed = time.perf_counter() - tick
+        if profiling and step == profile_last:
+            jax.profiler.stop_trace()
+            files += (str(config.profile_dir),)
+        if step == 0:
+            first_grads = jax.tree.map(np.asarray, pipe.unstage(grads))
+            if on_report is not None:
+                on_report(pipe.report())
+        losses.append(loss)
+        seconds.append(elapsed)
+        if on_step is not None:
+            on_step(
+                StepInfo(
+                    step=step,
+                    num_steps=config.steps,
+                    loss=loss,
+                    seconds=elapsed,
+                    tokens_per_second=tokens_per_step / elapsed,
+                    bubble_rate=simulated.bubble_rate,
+                )
+            )
+
+    reference_losses, reference_final, (ref_loss, ref_grads) = _reference_run(
+        loss_fn, params, batches, config.steps if config.check_final else 1, optimizer
+    )
+    first_step = compare_first_step(losses[0], first_grads, ref_loss, ref_grads)
+    final = None
+    if config.check_final:
+        pipelined_final = pipe.unstage(staged)
+        param_diff = max(
+            _max_abs(np.asarray(a) - np.asarray(b))
+            for a, b in zip(
+                jax.tree.leaves(pipelined_final), jax.tree.leaves(reference_final), strict=True
+            )
+        )
+        rel = abs(losses[-1] - reference_losses[-1]) / abs(reference_losses[-1])
+        final = FinalCheck(
+            loss=losses[-1],
+            reference_loss=reference_losses[-1],
+            loss_rel_diff=rel,
+            param_max_abs_diff=param_diff,
+            reference_losses=tuple(reference_losses),
+            passed=rel <= FINAL_RTOL,
+        )
+    return DemoResult(
+        config=config,
+        num_devices=num_devices,
+        num_stages=num_stages,
+        num_params=sum(int(np.size(x)) for x in jax.tree.leaves(params)),
+        losses=tuple(losses),
+        step_seconds=tuple(seconds),
+        tokens_per_step=tokens_per_step,
+        bubble_rate=simulated.bubble_rate,
+        first_step=first_step,
+        final=final,
+        files=files,
+        notes=tuple(notes),
+        wall_seconds=time.perf_counter() - started,
+    )
+
+
+def _write_schedule_files(
+    schedule: schedules.Schedule, costs: schedules.Costs, out_dir: str | None, notes: list[str]
+) -> tuple[str, ...]:
+    """Returns the paths written: the schedule's Perfetto trace and (with matplotlib) Gantt PNG."""
+    if out_dir is None:
+        return ()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = schedules.write_trace(schedule, out / "schedule_trace.json", costs)
+    written = [str(trace)]
+    try:
+        schedules.gantt(
+            schedule, costs, path=out / "schedule.png", title=f"{schedule.name} (simulated)"
+        )
+        written.append(str(out / "schedule.png"))
+    except ImportError as err:  # matplotlib is an optional extra
+        notes.append(f"no Gantt chart: {err}")
+    return tuple(written)
+
+
+class Progress:
+    """Prints training progress: a refreshing bar on a terminal, plain lines in a log."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int = 24):
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.width = width
+
+    def line(self, info: StepInfo) -> str:
+        """Returns the text for one step: counter, bar (on a terminal), loss, speed, bubble."""
+        count = f"step {info.step + 1:>{len(str(info.num_steps))}}/{info.num_steps}"
+        speed = (
+            f"{info.seconds:6.1f} s (compile)"
+            if info.step == 0
+            else f"{info.tokens_per_second:>9,.0f} tok/s"
+        )
+        text = f"loss {info.loss:.4f} | {speed} | sim. bubble {info.bubble_rate:.1%}"
+        if not self.tty:
+            return f"{count} | {text}"
+        done = round(self.width * (info.step + 1) / info.num_steps)
+        bar = "#" * done + "." * (self.width - done)
+        return f"{count} [{bar}] {text}"
+
+    def __call__(self, info: StepInfo) -> None:
+        last = info.step + 1 == info.num_steps
+        if self.tty:
+            end = "\n" if last else ""
+            self.stream.write("\r" + self.line(info) + end)
+            self.stream.flush()
+            return
+        every = max(1, info.num_steps // 50)
+        if info.step % every == 0 or last:
+            print(self.line(info), file=self.stream, flush=True)
+
+
+def summary(result: DemoResult) -> str:
+    """Returns the closing text: loss curve, speed, checks with PASS/FAIL, files written."""
+    losses = result.losses
+    timed = result.step_seconds[1:]
+    mean_step = sum(timed) / len(timed) if timed else result.step_seconds[0]
+    lines = [
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps "
+        f"({'decreased' if result.loss_decreased else 'did NOT decrease'}); "
+        f"{mean_step * 1e3:.1f} ms/step after compile "
+        f"({result.tokens_per_step / mean_step:,.0f} tokens/s); first step (with compile) "
+        f"{result.step_seconds[0]:.1f} s; wall {result.wall_seconds:.1f} s",
+        _curve(losses),
+    ]
+    first = result.first_step
+    lines.append(
+        f"first step vs jax.value_and_grad (unpipelined): loss {first.loss:.6f} vs "
+        f"{first.reference_loss:.6f} (rel diff {first.loss_rel_diff:.1e}); grads max abs diff "
+        f"{first.grad_max_abs_diff:.1e}, max rel diff {first.grad_max_rel_diff:.1e} "
+        f"(worst leaf {first.worst_leaf}) ... {'PASS' if first.passed else 'FAIL'}"
+    )
+    if result.final is not None:
+        final = result.final
+        lines.append(
+            f"final loss vs unpipelined adamw run of the same {len(losses)} steps: "
+            f"{final.loss:.6f} vs {final.reference_loss:.6f} (rel diff "
+            f"{final.loss_rel_diff:.1e}, tolerance {FINAL_RTOL:g}); params max abs diff "
+            f"{final.param_max_abs_diff:.1e} ... {'PASS' if final.passed else 'FAIL'}"
+        )
+    lines += [f"wrote {path}" for path in result.files]
+    lines += list(result.notes)
+    return "\n".join(lines)
+
+
+def _curve(losses: Sequence[float], points: int = 10) -> str:
+    """Returns up to ``points`` (step, loss) pairs spread over the run, as one line."""
+    n = len(losses)
+    picks = sorted({round(i * (n - 1) / max(1, points - 1)) for i in range(min(points, n))})
+    return "loss curve: " + ", ".join(f"{i + 1}:{losses[i]:.3f}" for i in picks)
