@@ -16,6 +16,7 @@ from zbjax.graphpipe import (
     chain_partition,
     graph_partition,
     multimodal_transformer_graph,
+    op_graph_from_jaxpr,
     partition_from_stages,
     peak_activation_bytes,
     schedule_for,
@@ -296,3 +297,59 @@ def test_zero_bubble_dag_schedule_beats_dag_1f1b_on_the_multimodal_partition(mul
         assert max(peak_memory(zb)) <= max(peak_memory(one))
         if m >= 2 * partition.depth():
             assert r2.makespan < r1.makespan
+
+
+# ----------------------------------------------------------------------------- from a jaxpr
+
+
+def _two_branch_jaxpr(marked):
+    import jax
+    import jax.numpy as jnp
+
+    import zbjax
+
+    def branch(ws, x):
+        for k, w in enumerate(ws):
+            x = jnp.tanh(x @ w)
+            if marked and k == 0:
+                x = zbjax.stage_boundary(x)
+        return x
+
+    def loss(wa0, wa1, wb0, wb1, head, xa, xb):
+        joined = jnp.concatenate([branch([wa0, wa1], xa), branch([wb0, wb1], xb)], -1)
+        return jnp.mean((joined @ head) ** 2)
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    return jax.make_jaxpr(loss)(w, w, w, w, jnp.ones((16, 2)), x, x)
+
+
+def test_op_graph_from_jaxpr_keeps_branches_apart_and_maps_equations_to_stages():
+    closed = _two_branch_jaxpr(marked=False)
+    traced = op_graph_from_jaxpr(closed, num_params=5, target_nodes=6)
+    eqns = closed.jaxpr.eqns
+    assert sorted(i for node in traced.node_equations for i in node) == list(range(len(eqns)))
+    tree = series_parallel_tree(traced.graph, "error")
+    assert tree.kind == "series" and tree.children[0].kind == "parallel"
+    partition = graph_partition(traced.graph, 3, 4)
+    assert partition.depth() == 2 and len(partition.edges) == 2  # two branches into the head
+    stages = traced.equation_stages(partition)
+    concat = next(i for i, e in enumerate(eqns) if e.primitive.name == "concatenate")
+    first_dots = [i for i, e in enumerate(eqns) if e.primitive.name == "dot_general"][::2][:2]
+    assert stages[concat] == partition.num_stages - 1
+    assert stages[first_dots[0]] != stages[first_dots[1]]  # each branch on its own stage
+    head = traced.graph.nodes[-1]
+    assert head.weight_cost > 0 and head.param_bytes == 16 * 2 * 4
+
+
+def test_op_graph_from_jaxpr_cuts_at_markers_only():
+    closed = _two_branch_jaxpr(marked=True)
+    traced = op_graph_from_jaxpr(closed, num_params=5, max_node_cost=1.0)
+    eqns = closed.jaxpr.eqns
+    markers = [i for i, e in enumerate(eqns) if e.primitive.name == "stage_boundary"]
+    assert len(markers) == 2
+    # Each marker starts its node; a tiny cost limit is ignored when markers are present:
+    # branch a before / after its marker, branch b before, branch b after + concat + head.
+    holder = {i: k for k, node in enumerate(traced.node_equations) for i in node}
+    assert all(min(traced.node_equations[holder[m]]) == m for m in markers)
+    assert len(traced.graph.nodes) == 4
+    assert traced.graph.edges == ((0, 1), (1, 3), (2, 3))

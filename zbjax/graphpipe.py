@@ -728,3 +728,140 @@ def peak_activation_bytes(partition: GraphPartition, schedule: Schedule) -> tupl
             peak = max(peak, level)
         peaks.append(peak)
     return tuple(peaks)
+
+
+# ------------------------------------------------------------------ from a traced program
+
+
+@dataclass(frozen=True)
+class JaxprOpGraph:
+    """An op graph built from a jaxpr and, per node, the indices of its equations."""
+
+    graph: OpGraph
+    node_equations: tuple[tuple[int, ...], ...]
+
+    def equation_stages(self, partition: GraphPartition) -> tuple[int, ...]:
+        """Returns the stage of every equation of the jaxpr under ``partition``."""
+        stages = [0] * sum(len(eqns) for eqns in self.node_equations)
+        for node, eqns in enumerate(self.node_equations):
+            for i in eqns:
+                stages[i] = partition.stage_of_node[node]
+        return tuple(stages)
+
+
+def op_graph_from_jaxpr(
+    closed_jaxpr: Any,
+    num_params: int = 0,
+    max_node_cost: float | None = None,
+    target_nodes: int = 64,
+) -> JaxprOpGraph:
+    """Returns the op graph of a traced program, grouping its equations into coarse nodes.
+
+    ``closed_jaxpr`` is one microbatch's program whose first ``num_params`` inputs are the
+    parameters (the layout ``zbjax.partition`` traces; inline ``jit`` calls first to see
+    markers inside them). *Activation* equations (those that depend on a non-param input)
+    are walked in traced order; one joins the current node when it reads a value the current
+    node computed and (without markers) the node's cost stays within ``max_node_cost``
+    (default: total cost / ``target_nodes``); otherwise it starts a new node. A
+    ``stage_boundary`` marker always starts a new node, and with markers present only they
+    and dataflow cut nodes, never cost. So independent branches never share a node, and a
+    fan-in (a concat) joins the node of the branch traced last. Other equations (params
+    only: transposes, casts, constants) go to the node of their earliest reader. Node costs
+    come from ``zbjax.cost_model``: forward = ``equation_cost`` summed; W = the cost of
+    matmuls with an operand computed from params only; backward = forward + W. Activation
+    bytes are the bytes of the activation equations' outputs, param bytes those of the
+    params the node reads.
+    """
+    from jax.extend.core import Literal
+
+    from zbjax.cost_model import aval_bytes, equation_cost
+    from zbjax.markers import is_stage_boundary
+
+    jaxpr = closed_jaxpr.jaxpr
+    eqns = list(jaxpr.eqns)
+    if not eqns:
+        raise PartitionError("the jaxpr has no equations; there is nothing to partition")
+    params = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
+    activation = set(jaxpr.invars[num_params:])
+    param_only = set(params)
+
+    def reads(eqn: Any) -> list:
+        return [v for v in eqn.invars if not isinstance(v, Literal)]
+
+    is_activation = []
+    for eqn in eqns:
+        active = any(v in activation for v in reads(eqn))
+        is_activation.append(active)
+        if active:
+            activation.update(eqn.outvars)
+        elif all(v in param_only for v in reads(eqn)):
+            param_only.update(eqn.outvars)
+    cost = [equation_cost(eqn) for eqn in eqns]
+    has_markers = any(is_stage_boundary(eqn) for eqn in eqns)
+    total = sum(c for c, a in zip(cost, is_activation, strict=True) if a)
+    limit = max_node_cost if max_node_cost is not None else total / max(1, target_nodes)
+
+    node_of: list[int] = [-1] * len(eqns)
+    defined_in: dict[Any, int] = {}
+    node_cost: list[float] = []
+    for i, eqn in enumerate(eqns):
+        if not is_activation[i]:
+            continue
+        parents = {defined_in[v] for v in reads(eqn) if v in defined_in}
+        current = len(node_cost) - 1
+        joins = (
+            current >= 0
+            and current in parents
+            and not is_stage_boundary(eqn)
+            and (has_markers or node_cost[current] + cost[i] <= limit or node_cost[current] == 0)
+        )
+        if not joins:
+            node_cost.append(0.0)
+            current += 1
+        node_of[i] = current
+        node_cost[current] += cost[i]
+        defined_in.update((v, current) for v in eqn.outvars)
+    if not node_cost:
+        node_cost.append(0.0)  # no activation at all: the whole program is one node
+    # Equations on params only go to their earliest reader's node (the last node if none).
+    last = len(node_cost) - 1
+    read_at: dict[Any, int] = {}
+    for i in reversed(range(len(eqns))):
+        if node_of[i] < 0:
+            node_of[i] = min((read_at[v] for v in eqns[i].outvars if v in read_at), default=last)
+        for v in reads(eqns[i]):
+            read_at[v] = min(read_at.get(v, last), node_of[i])
+
+    producer = {v: node_of[i] for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    edges = {
+        (producer[v], node_of[i])
+        for i, eqn in enumerate(eqns)
+        for v in reads(eqn)
+        if v in producer and producer[v] != node_of[i]
+    }
+    members: list[list[int]] = [[] for _ in node_cost]
+    for i, node in enumerate(node_of):
+        members[node].append(i)
+    nodes = []
+    for k, eqn_ids in enumerate(members):
+        forward = sum(cost[i] for i in eqn_ids)
+        weight = sum(
+            cost[i]
+            for i in eqn_ids
+            if eqns[i].primitive.name in ("dot_general", "conv_general_dilated")
+            and any(v in param_only for v in reads(eqns[i]))
+        )
+        acts = sum(aval_bytes(v.aval) for i in eqn_ids if is_activation[i] for v in eqns[i].outvars)
+        read_params = {v for i in eqn_ids for v in reads(eqns[i]) if v in params}
+        first = eqns[eqn_ids[0]].primitive.name if eqn_ids else "empty"
+        nodes.append(
+            OpNode(
+                f"node{k}:{first}",
+                float(forward),
+                float(forward + weight),
+                float(weight),
+                float(acts),
+                float(sum(aval_bytes(v.aval) for v in read_params)),
+            )
+        )
+    return JaxprOpGraph(OpGraph(tuple(nodes), tuple(sorted(edges))), tuple(map(tuple, members)))
