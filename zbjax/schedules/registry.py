@@ -74,10 +74,11 @@ def _zb_auto(
             f"choose one of the fixed schedules: {', '.join(SCHEDULE_NAMES[:-1])}"
         ) from error
     devices = num_stages if num_devices is None else num_devices
-    unknown = set(options) - {"edges", "time_limit"}
+    unknown = set(options) - {"edges", "time_limit", "objective"}
     if unknown:
         raise ScheduleError(
-            f"zb-auto does not take options {sorted(unknown)}; it takes edges and time_limit"
+            f"zb-auto does not take options {sorted(unknown)}; it takes edges, time_limit and "
+            "objective ('makespan' for one step, 'span' for back-to-back steps)"
         )
     return auto.zb_auto(
         num_stages, num_microbatches, devices, costs or Costs(), mem_limit, w_mem, **options
