@@ -27,4 +27,9 @@ Conventions:
   may be needed at run time.
 - Data are synthetic and generated from a fixed "teacher" (``cfg.data_seed``), so that a model can
   learn them and a demo's loss goes down; nothing is downloaded.
+- The multi-branch models (``multimodal``, ``two_tower``, ``dlrm``, ``candle_uno``) share this
+  surface but take ``branch_boundaries``/``layers_per_stage``/``head_stage`` instead of
+  ``stage_boundaries``: cut at the markers, each branch is its own stage(s) and the fusion head a
+  last stage; ``num_marker_stages(cfg)`` and ``stage_owners(cfg)`` say how many and which params
+  each reads (rules and helpers in ``models.two_tower``).
 """
