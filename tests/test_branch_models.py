@@ -173,7 +173,7 @@ def test_params_top_level_keys_are_the_branches_and_the_head(computed, name):
     params = computed[name][0]
     owned = [k for keys in module.stage_owners(_marked(name)) for k in keys]
     assert sorted(set(owned)) == sorted(params) and len(set(owned)) == len(params)
-    assert str(f"{sum(x.size for x in jax.tree.leaves(params)):,} params") in module.describe(cfg)
+    assert f"{sum(x.size for x in jax.tree.leaves(params)):,} params" in module.describe(cfg)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
