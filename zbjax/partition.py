@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
 
@@ -138,7 +139,11 @@ def stage_summary(graph: StageGraph) -> str:
 
 def _flat_avals(tree: Any) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    avals = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+    # Python scalars have no .dtype; they get the dtype JAX would give them.
+    avals = tuple(
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
+        for x in leaves
+    )
     return avals, treedef
 
 
@@ -225,6 +230,7 @@ def _inline_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
             "cond": "a lax.cond/switch branch",
             "while": "a lax.while_loop/fori_loop body",
             "scan": "a lax.scan body (e.g. Flax nn.scan)",
+            "custom_vjp_call": "a jax.custom_vjp function (kept whole for its backward rule)",
         }.get(name, f"the body of a {name!r} equation")
         raise PartitionError(
             f"a stage_boundary marker sits inside {where}; a pipeline cannot cut inside "
