@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -384,14 +384,13 @@ class _Search:
         for groups in branch_groupings(len(branches), weights):
             if len(groups) > k:
                 continue
-            options = []  # per group: its table as a non-carrier, and as the carrier
-            for group in groups:
-                if len(group) == 1:
-                    tree_ = branches[group[0]]
-                else:
-                    nodes = tuple(v for b in group for v in branches[b].nodes)
-                    tree_ = SPTree("leaf", nodes)
-                options.append(tree_)
+            # A group of one branch is cut on its own; a group of several is one stage.
+            options = [
+                branches[group[0]]
+                if len(group) == 1
+                else SPTree("leaf", tuple(v for b in group for v in branches[b].nodes))
+                for group in groups
+            ]
             if not tail:
                 merged = self._knapsack(options, k, depth_after)
                 for depth, entries in merged.items():
@@ -575,8 +574,6 @@ def graph_partition(
 
 
 def _with_simulated(partition: GraphPartition, makespan: float) -> GraphPartition:
-    from dataclasses import replace
-
     return replace(partition, simulated_step_time=makespan)
 
 

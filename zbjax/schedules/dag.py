@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Costs, Schedule
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult
 from zbjax.schedules.simulate import peak_memory, simulate
 from zbjax.schedules.validate import validate
 
@@ -292,7 +292,7 @@ def _names(stage_names: Sequence[str] | None, num_stages: int) -> tuple[str, ...
     return names
 
 
-def longest_span(schedule: Schedule, result) -> float:  # noqa: ANN001 (SimResult)
+def longest_span(schedule: Schedule, result: SimResult) -> float:
     """Returns the longest time any device spends from its first action's start to its last end."""
     return max((result.end[p[-1]] - result.start[p[0]] for p in schedule.actions if p), default=0.0)
 
