@@ -206,3 +206,12 @@ def test_schedules_with_two_stages_per_device_give_the_same_grads(order):
     schedule = schedules.build(order, num_stages=4, num_microbatches=M)
     assert schedule.num_devices == 2
     assert_matches(run_schedule(graph, programs, schedule, params, batch, jit=False), reference)
+
+
+def test_an_action_outside_the_graph_is_refused():
+    _, params, batch, _ = model("mlp:markers")
+    graph, programs = stage_programs("mlp:markers", None)
+    good = schedules.build("1f1b", num_stages=graph.num_stages, num_microbatches=M)
+    bad = good.with_actions([[Action("F", 0, M)] + list(good.actions[0])] + list(good.actions[1:]))
+    with pytest.raises(ScheduleError, match=f"0F{M} names stage 0 / microbatch {M}, outside"):
+        run_schedule(graph, programs, bad, params, batch, jit=False)

@@ -170,6 +170,11 @@ class _Runner:
 
     def _ready(self, action: Action) -> bool:
         s, i = action.stage, action.microbatch
+        if not 0 <= s < self.graph.num_stages or not 0 <= i < self.m:
+            raise ScheduleError(
+                f"action {action} names stage {s} / microbatch {i}, outside the graph's "
+                f"{self.graph.num_stages} stages and {self.m} microbatches"
+            )
         stage = self.graph.stages[s]
         if action in self.done:
             raise ScheduleError(f"action {action} appears twice; run each action once")
@@ -181,11 +186,6 @@ class _Runner:
 
     def _execute(self, action: Action) -> None:
         s, i = action.stage, action.microbatch
-        if not 0 <= s < self.graph.num_stages or not 0 <= i < self.m:
-            raise ScheduleError(
-                f"action {action} names stage {s} / microbatch {i}, outside the graph's "
-                f"{self.graph.num_stages} stages and {self.m} microbatches"
-            )
         stage = self.graph.stages[s]
         fns = self.fns[s]
         if action.kind == "F":
