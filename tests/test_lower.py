@@ -314,3 +314,21 @@ def test_branches_are_named_by_kind_and_stage_in_the_compiled_program():
     text = jax.jit(step).lower(params, batch).as_text(debug_info=True)
     for scope in ("F s0", "B s1", "W s0"):
         assert scope in text
+
+
+def test_one_ppermute_per_device_shift_and_none_for_local_edges():
+    stages, micro = 8, 4
+    specs, edges, params, _ = chain_mlp(stages)
+    batch = make_batch(micro)
+    graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
+    schedule = schedules.build("zb-v", stages, micro, num_devices=4)
+    low = lower(graph, programs, schedule, mesh_of(4), "pp")
+
+    def step(params, batch):
+        stacked = [b.reshape(micro, MICRO, WIDTH) for b in batch]
+        return low.step(stage_leaves(low.layout, params), stacked)
+
+    text = jax.jit(step).lower(params, batch).as_text()
+    # V placement: shifts +1 and -1 cross devices, the turn of the V is a local copy.
+    assert low.tables.shifts == (0, 1, 3)
+    assert text.count("collective_permute") == 2

@@ -38,6 +38,7 @@ from zbjax.params import (
     unpack_stage_params,
 )
 from zbjax.schedules.ir import Schedule
+from zbjax.split import forwarded_residuals
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.ticks import (
     BACKWARD,
@@ -143,7 +144,10 @@ class Lowering:
 
     ``step(staged_params, microbatched_batch_leaves)`` is the function to call inside
     ``jax.jit``: batch leaves have a leading ``num_microbatches`` axis; it returns
-    ``(loss, staged_grads)`` with the loss averaged over microbatches.
+    ``(loss, staged_grads)`` with the loss averaged over microbatches. Mesh axes other than
+    ``axis_name`` are data parallel: every batch leaf's rows (axis 1) are split over them, so
+    the stage programs must have been traced for ``rows / data_parallel_size`` rows, and the
+    loss and grads are averaged over them.
     """
 
     graph: StageGraph
@@ -169,6 +173,16 @@ class Lowering:
             for d, n in zip(self.message_dtypes, self.message_capacity, strict=True)
         )
         return res, msg
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Returns the mesh axes other than the pipeline axis: data parallel, rows split."""
+        return tuple(a for a in self.mesh.axis_names if a != self.axis_name)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Returns how many data-parallel shards each microbatch's rows are split into."""
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes], dtype=np.int64))
 
     def step(self, staged: StagedParams, batch_leaves: Sequence[jax.Array]):
         """Returns (mean loss, staged grads) of the pipelined step (call under ``jax.jit``)."""
@@ -202,11 +216,11 @@ def lower(
         schedule.placement,
         schedule.num_devices,
     )
-    slot_avals = [a for p in programs for a in (*p.residual_avals, *p.stash_avals)]
+    slot_avals = [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     residual_dtypes = _union_dtypes(slot_avals)
     residual_capacity = [0] * len(residual_dtypes)
     for p in programs:
-        for avals in (p.residual_avals, p.stash_avals):
+        for avals in (stored_residual_avals(p), p.stash_avals):
             sizes = packing(avals, residual_dtypes).sizes
             residual_capacity = [max(a, b) for a, b in zip(residual_capacity, sizes, strict=True)]
     edge_avals = [v for e in graph.edges for v in e.values]
@@ -227,6 +241,38 @@ def lower(
         residual_capacity=tuple(residual_capacity),
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
+    )
+
+
+def residual_sources(program: StageProgram) -> tuple[tuple[str, int], ...]:
+    """Returns, per residual, where B finds it: ("slot", i), ("param", j) or ("batch", j).
+
+    A residual that merely forwards a parameter or a batch leaf is read from the resident
+    params or the microbatch at B time instead of being stored in a slot per microbatch
+    (``split.forwarded_residuals``); ``i`` numbers the stored residuals, ``j`` indexes the
+    stage's ``param_leaves`` or ``batch_leaves``.
+    """
+    num_params = len(program.stage.param_leaves)
+    num_batch = len(program.stage.batch_leaves)
+    sources = []
+    stored = 0
+    for index in forwarded_residuals(program):
+        if index is not None and index < num_params:
+            sources.append(("param", index))
+        elif index is not None and index < num_params + num_batch:
+            sources.append(("batch", index - num_params))
+        else:
+            sources.append(("slot", stored))
+            stored += 1
+    return tuple(sources)
+
+
+def stored_residual_avals(program: StageProgram) -> tuple[Any, ...]:
+    """Returns the avals of the residuals a slot stores (those not read from params/batch)."""
+    return tuple(
+        aval
+        for aval, (where, _) in zip(program.residual_avals, residual_sources(program), strict=True)
+        if where == "slot"
     )
 
 
@@ -277,7 +323,8 @@ def _make_branch(low: Lowering, kind: int, stage_index: int):
     shift_index = {shift: k for k, shift in enumerate(tables.shifts)}
     out_positions = _edge_positions(graph, stage_index, output=True)
     in_positions = _edge_positions(graph, stage_index, output=False)
-    residual_packing = packing(program.residual_avals, res_dtypes)
+    residual_packing = packing(stored_residual_avals(program), res_dtypes)
+    sources = residual_sources(program)
     stash_packing = packing(program.stash_avals, res_dtypes)
     n_outputs = len(stage.output_differentiable)
     n_in_cts = sum(stage.input_differentiable)
@@ -335,9 +382,20 @@ def _make_branch(low: Lowering, kind: int, stage_index: int):
                     loss = outputs[0].astype(loss.dtype)
                 else:
                     sends = place_sends(sends, lambda e: [outputs[p] for p in out_positions[e]])
-                res_out = pack(residual_packing, residuals, res_cap)
+                stored = [
+                    r for r, (where, _) in zip(residuals, sources, strict=True) if where == "slot"
+                ]
+                res_out = pack(residual_packing, stored, res_cap)
             elif kind in (BACKWARD_INPUT, BACKWARD):
-                residuals = unpack(residual_packing, residual)
+                stored = unpack(residual_packing, residual)
+                resident = {
+                    "slot": stored,
+                    "param": unpack_stage_params(layout, stage_index, param_rows)
+                    if any(where == "param" for where, _ in sources)
+                    else [],
+                    "batch": [batch_mb[i] for i in stage.batch_leaves],
+                }
+                residuals = [resident[where][j] for where, j in sources]
                 jaxpr = program.backward_input if kind == BACKWARD_INPUT else program.backward
                 outs = jaxpr_as_fun(jaxpr)(*residuals, *output_cotangents(messages))
                 in_cts, rest = outs[:n_in_cts], outs[n_in_cts:]
@@ -395,6 +453,7 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
     loss_aval = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals[0]
     res_slots = tables.num_residual_slots + 1
     msg_slots = tables.num_message_slots + 1
+    data_axes = low.data_axes
 
     def device_program(rows, batch, xs):
         rows = [r[0] for r in rows]
@@ -458,6 +517,10 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
 
         (_, _, grad_acc, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         loss = jax.lax.psum(loss_sum, axis) / num_micro
+        if data_axes:
+            # Each data-parallel shard saw an equal part of every microbatch: average.
+            loss = jax.lax.pmean(loss, data_axes)
+            grad_acc = [jax.lax.pmean(g, data_axes) for g in grad_acc]
         return loss, [g[None] for g in grad_acc]
 
     mesh = low.mesh
@@ -466,11 +529,17 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
         mesh=mesh,
         in_specs=(
             [PartitionSpec(axis)] * len(staged.rows),
-            [PartitionSpec()] * len(batch_leaves),
+            [
+                PartitionSpec(None, data_axes) if data_axes and b.ndim >= 2 else PartitionSpec()
+                for b in batch_leaves
+            ],
             tuple(PartitionSpec(None, axis) for _ in xs),
         ),
         out_specs=(PartitionSpec(), [PartitionSpec(axis)] * len(staged.rows)),
-        axis_names={axis},
+        # Manual over every mesh axis: the other axes are data parallel, done by hand. Left to
+        # the compiler, they put collectives inside the switch branches, which only the
+        # devices of one pipeline stage take; on XLA:CPU those collectives deadlock.
+        axis_names={axis, *data_axes},
         # The stage jaxprs were traced outside the shard_map, so their equations carry no
         # varying-axis annotations; evaluating them under vma checking would reject every
         # mix of a per-device value with a constant. Replication is tracked by hand here:

@@ -15,8 +15,9 @@ Choices a careful user would want to know:
   the same tree and shapes, in the user layout or the staged one (``pipe.stage(params)``).
   Grads come back in the layout given. Staged params are what keep each device's parameter
   memory to its own stages; user-layout params are replicated into the program.
-- The batch's microbatch rows are sharded over every other mesh axis (data parallelism) when
-  they divide evenly; the compiler averages the gradients over those axes.
+- Every other mesh axis is data parallel: each microbatch's rows are split evenly over those
+  axes (the batch size must be a multiple of ``num_microbatches`` times their size), each
+  shard runs the pipeline on its rows, and loss and grads are averaged over the shards.
 - Nothing is donated: the step returns gradients and leaves params to the caller's optimizer.
 """
 
@@ -97,6 +98,8 @@ class Pipeline:
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_devices = int(mesh.shape[axis_name])
+        self.data_axes = tuple(a for a in mesh.axis_names if a != axis_name)
+        self.data_parallel_size = math.prod(int(mesh.shape[a]) for a in self.data_axes)
         self.schedule_spec = schedule
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
@@ -109,6 +112,7 @@ class Pipeline:
         self._params_treedef: Any = None
         self._built: dict[Any, _Built] = {}
         self._last: _Built | None = None
+        self._last_inputs: tuple | None = None  # avals of the latest call, for report()
 
     # ------------------------------------------------------------------ public surface
 
@@ -179,8 +183,6 @@ class Pipeline:
 
     # ------------------------------------------------------------------ building
 
-    _last_inputs: tuple | None = None
-
     def _require_built(self, what: str) -> _Built:
         if self._last is None:
             raise PipelineError(
@@ -240,13 +242,29 @@ class Pipeline:
                 "new zbjax.pipeline"
             )
         self._last = built
-        self._last_inputs = (params, batch, key)
+        # Avals, not values: under a user's jit these are tracers that must not outlive it.
+        self._last_inputs = _avals((params, batch, key))
         return built
 
     def _microbatch_avals(self, batch: Any) -> Any:
         """Returns one microbatch's avals; raises PipelineError when rows do not divide."""
         stacked = jax.eval_shape(lambda b: split_microbatches(b, self.num_microbatches), batch)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+        shards = self.data_parallel_size
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
+        micro = []
+        for path, a in leaves:
+            rows = a.shape[1] if len(a.shape) >= 2 else None
+            if rows is not None and rows % shards:
+                raise PipelineError(
+                    f"batch leaf {jax.tree_util.keystr(path)} has {rows} rows per microbatch "
+                    f"({a.shape[1] * self.num_microbatches} / num_microbatches="
+                    f"{self.num_microbatches}), which the {shards} data-parallel shards of mesh "
+                    f"axes {self.data_axes} cannot split evenly; use a batch size that is a "
+                    f"multiple of {self.num_microbatches * shards}"
+                )
+            shape = a.shape[1:] if rows is None else (rows // shards, *a.shape[2:])
+            micro.append(jax.ShapeDtypeStruct(shape, a.dtype))
+        return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
     def _build(self, params_avals: Any, micro: Any, key_aval: Any) -> _Built:
         graph = self._partition(params_avals, micro, key_aval)
@@ -332,9 +350,6 @@ class Pipeline:
 
     def _step_fn(self, low: Lowering, graph: StageGraph, with_key: bool):
         m = self.num_microbatches
-        mesh, axis = self.mesh, self.axis_name
-        data_axes = tuple(a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1)
-        data_size = math.prod(mesh.shape[a] for a in data_axes)
         treedef = self._params_treedef
 
         def step(params, batch, key):
@@ -344,22 +359,15 @@ class Pipeline:
             if with_key:
                 stacked = (stacked, microbatch_keys(key, m))
             leaves = jax.tree.leaves(stacked)
-            if data_axes:
-                leaves = [_shard_rows(x, mesh, data_axes, data_size) for x in leaves]
             loss, grads = low.step(staged, leaves)
+            grad_leaves = unstage_gradients(low.layout, grads)
             if staged_input:
-                return loss, grads
-            return loss, jax.tree_util.tree_unflatten(treedef, unstage_gradients(low.layout, grads))
+                # Every copy of a tied leaf gets the summed gradient, so that an optimizer
+                # applied in the staged layout keeps the copies equal.
+                return loss, stage_leaves(low.layout, grad_leaves)
+            return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves)
 
         return step
-
-
-def _shard_rows(x: jax.Array, mesh: Any, data_axes: tuple[str, ...], size: int) -> jax.Array:
-    """Returns ``x`` ([m, rows, ...]) with rows sharded over the data axes when they divide."""
-    if x.ndim < 2 or x.shape[1] % size:
-        return x
-    spec = PartitionSpec(None, data_axes)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _program_costs(programs: tuple[StageProgram, ...]) -> Costs:

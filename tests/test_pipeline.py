@@ -1,0 +1,253 @@
+"""zbjax.pipeline end to end: pipelined loss and grads equal jax.value_and_grad, memory, errors."""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zbjax
+from models import gpt, gpt_nnx, gpt_scan, mlp
+from zbjax.microbatch import reference_value_and_grad
+
+AUTO = jax.sharding.AxisType.Auto
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
+
+
+def pp_mesh(p):
+    return jax.make_mesh((p,), ("pp",), axis_types=(AUTO,), devices=jax.devices()[:p])
+
+
+def assert_close(result, reference):
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- MLP, every schedule
+
+MLP_CFG = mlp.MLPConfig(in_dim=8, width=16, depth=4, out_dim=4)
+
+
+@pytest.fixture(scope="module")
+def mlp_setup():
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 16)
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    return loss_fn, params, batch, jax.value_and_grad(loss_fn)(params, batch)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_pipelined_mlp_equals_value_and_grad_for_every_schedule(mlp_setup, name, p, m):
+    loss_fn, params, batch, reference = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(p), schedule=name, num_microbatches=m)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+
+
+# ----------------------------------------------------------------------------- GPTs
+
+GPT_CFG = gpt.GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=4)
+
+
+def gpt_case(module, stages, cfg=GPT_CFG):
+    if module is not gpt_scan:
+        cfg = dataclasses.replace(cfg, stage_boundaries=module.balanced_boundaries(cfg, stages))
+    params = module.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    return module.make_loss_fn(cfg), params, batch
+
+
+@pytest.mark.parametrize("module", [gpt, gpt_nnx, gpt_scan], ids=["linen", "nnx", "scan"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+def test_pipelined_gpts_equal_value_and_grad_at_p4(module, name):
+    stages = 8 if name == "zb-v" else 4
+    cfg = dataclasses.replace(GPT_CFG, num_layers=stages - 1)
+    loss_fn, params, batch = gpt_case(module, stages, cfg)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(4), schedule=name, num_microbatches=4, num_stages=stages
+    )
+    assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_pipelined_tied_gpt_equals_value_and_grad_at_p8(name):
+    stages = 16 if name == "zb-v" else 8
+    cfg = dataclasses.replace(GPT_CFG, num_layers=stages - 1)
+    loss_fn, params, batch = gpt_case(gpt, stages, cfg)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(8), schedule=name, num_microbatches=8, num_stages=stages
+    )
+    assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_pp4_dp2_mesh_splits_the_batch_over_dp_and_matches():
+    loss_fn, params, batch = gpt_case(gpt, 4)
+    mesh = jax.make_mesh((4, 2), ("pp", "dp"), axis_types=(AUTO, AUTO))
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4)
+    assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_dropout_key_gives_microbatch_i_fold_in_key_i():
+    cfg = dataclasses.replace(
+        GPT_CFG, dropout_rate=0.1, stage_boundaries=gpt.balanced_boundaries(GPT_CFG, 2)
+    )
+    loss_fn = gpt.make_loss_fn(cfg)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    key = jax.random.key(7)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=4)
+    result = pipe.value_and_grad(params, batch, key=key)
+    assert_close(result, reference_value_and_grad(loss_fn, params, batch, 4, key=key))
+
+
+# ----------------------------------------------------------------------------- layouts, jit
+
+
+def test_staged_params_give_staged_grads_and_round_trip():
+    loss_fn, params, batch = gpt_case(gpt, 2)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=4)
+    loss, grads = pipe.value_and_grad(params, batch)
+    staged = pipe.stage(params)
+    assert isinstance(staged, zbjax.StagedParams)
+    for a, b in zip(jax.tree.leaves(pipe.unstage(staged)), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    staged_loss, staged_grads = pipe.value_and_grad(staged, batch)
+    assert isinstance(staged_grads, zbjax.StagedParams)
+    np.testing.assert_allclose(staged_loss, loss, rtol=1e-6)
+    # The tied embedding's copies (first and last device) each hold the summed gradient.
+    assert_close((staged_loss, pipe.unstage(staged_grads)), (loss, grads))
+
+
+def test_value_and_grad_works_inside_a_users_jit():
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 16)
+    reference = jax.value_and_grad(loss_fn)(params, batch)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=4)
+
+    @jax.jit
+    def train_step(params, batch):
+        loss, grads = pipe.value_and_grad(params, batch)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    loss, new_params = train_step(params, batch)
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, reference[1])
+    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_report_names_stages_schedule_bubble_and_compiled_memory(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=4)
+    pipe.value_and_grad(params, batch)
+    text = pipe.report()
+    for needle in ("stage 0", "stage 1", "d0", "d1", "bubble rate", "temporaries"):
+        assert needle in text
+
+
+# ----------------------------------------------------------------------------- memory, compile time
+
+MEM_CFG = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, num_heads=2, num_layers=4)
+
+
+def compiled_memory(name, m, p=4, rows_per_microbatch=2):
+    cfg = dataclasses.replace(MEM_CFG, stage_boundaries=gpt.balanced_boundaries(MEM_CFG, p))
+    loss_fn = gpt.make_loss_fn(cfg)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, m * rows_per_microbatch)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(p), schedule=name, num_microbatches=m)
+    pipe.lower(params, batch)  # traces and builds, compiles nothing
+    staged = pipe.stage(params)
+    start = time.perf_counter()
+    compiled = pipe.lower(staged, batch).compile()
+    seconds = time.perf_counter() - start
+    batch_bytes = sum(x.nbytes for x in jax.tree.leaves(batch))
+    return pipe, compiled.memory_analysis(), batch_bytes, seconds
+
+
+@pytest.fixture(scope="module")
+def memory_table():
+    return {
+        (name, m): compiled_memory(name, m, rows_per_microbatch=1)
+        for name in ("gpipe", "1f1b", "zb-h1")
+        for m in (8, 64)
+    }
+
+
+def test_each_device_holds_only_its_stages_parameters(memory_table):
+    pipe, mem, batch_bytes, _ = memory_table[("1f1b", 8)]
+    graph = pipe._last.graph
+    largest = max(
+        sum(graph.param_avals[i].size * graph.param_avals[i].dtype.itemsize for i in s.param_leaves)
+        for s in graph.stages
+    )
+    # Arguments are the staged params row and the batch, which every device holds whole.
+    param_bytes = mem.argument_size_in_bytes - batch_bytes
+    assert param_bytes <= 1.10 * largest, (param_bytes, largest)
+
+
+def test_zb_h1_activation_memory_is_within_10_percent_of_1f1b(memory_table):
+    for m in (8, 64):
+        zb = memory_table[("zb-h1", m)][1].temp_size_in_bytes
+        one = memory_table[("1f1b", m)][1].temp_size_in_bytes
+        assert zb <= 1.10 * one, (m, zb, one)
+
+
+def test_gpipe_memory_grows_with_m_while_1f1b_and_zb_h1_stay_flat(memory_table):
+    temp = {k: v[1].temp_size_in_bytes for k, v in memory_table.items()}
+    assert temp[("gpipe", 64)] > 2 * temp[("gpipe", 8)]
+    assert temp[("1f1b", 64)] <= 1.10 * temp[("1f1b", 8)]
+    assert temp[("zb-h1", 64)] <= 1.10 * temp[("zb-h1", 8)]
+
+
+def test_compile_time_is_flat_in_the_number_of_microbatches(memory_table):
+    small = memory_table[("zb-h1", 8)][3]
+    large = memory_table[("zb-h1", 64)][3]
+    assert large <= 1.5 * small, (small, large)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_batch_not_divisible_by_num_microbatches_is_rejected_before_compiling(mlp_setup):
+    loss_fn, params, _, _ = mlp_setup
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 10)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=4)
+    with pytest.raises(zbjax.PipelineError, match="not divisible by num_microbatches=4"):
+        pipe.value_and_grad(params, batch)
+
+
+def test_mesh_without_the_axis_lists_the_axes(mlp_setup):
+    loss_fn = mlp_setup[0]
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:2])
+    with pytest.raises(zbjax.PipelineError, match=r"axes \('data',\).*'pp'"):
+        zbjax.pipeline(loss_fn, mesh=mesh, axis_name="pp")
+
+
+def test_zb_v_without_two_stages_per_device_is_rejected(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-v", num_stages=3)
+    with pytest.raises(zbjax.ScheduleError, match="2 stages per device"):
+        pipe.value_and_grad(params, batch)
+
+
+def test_prebuilt_schedule_for_other_device_count_is_rejected(mlp_setup):
+    loss_fn = mlp_setup[0]
+    schedule = zbjax.schedules.build("1f1b", 4, 8)
+    with pytest.raises(zbjax.ScheduleError, match="4 devices but mesh axis 'pp' has 2"):
+        zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=8)
+
+
+def test_params_not_matching_the_traced_structure_show_expected_and_given(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=4)
+    pipe.value_and_grad(params, batch)
+    wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] + 1,) + x.shape[1:]), params)
+    with pytest.raises(zbjax.PipelineError, match="expected shapes.*\n.*given shapes"):
+        pipe.value_and_grad(wrong, batch)
