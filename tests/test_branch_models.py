@@ -204,6 +204,35 @@ def test_four_branches_of_two_stages_fill_eight_stages_with_the_head_in_the_last
     assert set(graph.edge_pairs) == {(0, 1), (2, 3), (4, 5), (6, 7), (1, 7), (3, 7), (5, 7)}
 
 
+def test_two_tower_pipelined_over_its_stage_dag_gives_the_unpipelined_loss_and_grads(computed):
+    module, _, _, _ = MODELS["two_tower"]
+    cfg = _marked("two_tower")
+    params, batch, (loss, grads), _ = computed["two_tower"]
+    num_stages, num_microbatches = module.num_marker_stages(cfg), 2
+    microbatch = jax.tree.map(lambda x: x[: BATCH_SIZE // num_microbatches], batch)
+    graph = zbjax.partition(module.make_loss_fn(cfg), params, microbatch)
+    schedule = zbjax.schedules.build(
+        "dag-zb",
+        num_stages,
+        num_microbatches,
+        edges=list(graph.edge_pairs),
+        placement=tuple(range(num_stages)),
+    )
+    mesh = jax.make_mesh(
+        (num_stages,),
+        ("pp",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:num_stages],
+    )
+    pipe = zbjax.pipeline(
+        module.make_loss_fn(cfg), mesh=mesh, schedule=schedule, num_microbatches=num_microbatches
+    )
+    pipelined_loss, pipelined_grads = pipe.value_and_grad(params, batch)
+    np.testing.assert_allclose(float(pipelined_loss), float(loss), rtol=1e-5)
+    for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(pipelined_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(h), np.asarray(g), rtol=1e-4, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- per model
 
 
