@@ -1,0 +1,230 @@
+"""The B/W split and memory benchmarks at realistic sizes (GPT width 4096) on a GPU.
+
+Three parts, in this order, written to finish in under 5 minutes on one H100/H200-class GPU:
+
+1. **Per-tick overhead** of the lowered tick loop (a ``lax.switch`` inside a ``lax.scan`` may
+   cost a host round trip per tick on a GPU): gpipe steps of a width-8 MLP, one layer per
+   device, at m in {4, 16, 64}, step time regressed on the number of ticks.
+2. **B/W split overhead** (``bw_split.py``) at width 4096: B-then-W against fused BW for each
+   reference stage, alternating, median ratio, matmul FLOPs.
+3. **Memory** (``memory.py``) at width 4096: with 4 or more GPUs, the compiled per-device memory
+   of every schedule's pipeline step; with fewer, the compiled memory of one stage's F, B, W
+   and BW programs (what M_B and M_W are at this size) and every schedule's predicted peak.
+
+Writes the section "gpu" of ``benchmarks/RESULTS.md``. Without a GPU it refuses (exit 2);
+``--cpu-smoke`` runs every part at toy sizes on CPU and prints, writing nothing.
+
+Run: ``python benchmarks/gpu.py`` on a GPU machine (``--cpu-smoke`` to check it on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import jaxpr_as_fun
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bw_split
+import memory
+import step_time
+from _results import write_section
+
+from models import gpt
+from zbjax import schedules
+from zbjax.partition import partition
+from zbjax.split import split
+
+COMMAND = "python benchmarks/gpu.py"
+REALISTIC = bw_split.Sizes(
+    gpt_width=4096,
+    gpt_heads=32,
+    gpt_seq=1024,
+    gpt_vocab=32000,
+    gpt_batch=2,
+    blocks_per_stage=1,
+    mlp_width=4096,
+    mlp_layers_per_stage=4,
+    mlp_batch=4096,
+)
+REALISTIC_MEMORY = memory.Model(
+    d_model=4096, num_heads=32, seq_len=1024, vocab_size=32000, num_layers=8, microbatch_rows=1
+)
+MEMORY_MICROBATCHES = 8
+
+
+def tick_overhead_section(rounds: int) -> str:
+    """Returns the markdown lines for the per-tick overhead on the available devices."""
+    devices = jax.devices()
+    p = min(len(devices), 2)
+    mesh = jax.sharding.Mesh(np.array(devices[:p]), (step_time.AXIS,))
+    overhead = step_time.tick_overhead(mesh, rounds)
+    points = ", ".join(f"{t} ticks: {s * 1e3:.3f} ms" for t, s in overhead.points)
+    return (
+        f"**Per-tick overhead** ({p} device{'s' if p > 1 else ''}, gpipe, width-8 MLP): "
+        f"{overhead.per_tick * 1e6:.1f} µs per tick, {overhead.fixed * 1e3:.2f} ms fixed per "
+        f"step ({points})."
+    )
+
+
+def bw_split_section(sizes: bw_split.Sizes, repeats: int) -> str:
+    """Returns the B/W split table at ``sizes``."""
+    measurements = []
+    for case in bw_split.reference_cases(sizes):
+        m = bw_split.measure(case, repeats)
+        print(f"{m.label}: ratio {m.ratio:.3f}", flush=True)
+        measurements.append(m)
+    worst = max(m.ratio for m in measurements)
+    return "\n".join(
+        [
+            f"**B/W split** ({repeats} alternating pairs per stage; ratio = median of "
+            "(B then W) / BW):",
+            "",
+            bw_split.table(measurements),
+            "",
+            f"Worst ratio: {worst:.3f} (target ≤ {bw_split.TARGET_RATIO}).",
+        ]
+    )
+
+
+def _compiled_memory(closed, args) -> tuple[int, int]:
+    """Returns (temp bytes, output bytes) of ``closed`` jitted and compiled for ``args``."""
+    analysis = jax.jit(jaxpr_as_fun(closed)).lower(*args).compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
+
+
+def stage_memory_section(model: memory.Model) -> str:
+    """Returns the per-program compiled memory of a middle GPT stage and each schedule's
+    predicted peak in bytes (for one device, when too few devices for a pipeline)."""
+    cfg = memory.gpt_config(model, memory.NUM_DEVICES)
+    params = jax.eval_shape(lambda k: gpt.init_params(k, cfg), jax.random.key(0))
+    microbatch = jax.eval_shape(
+        lambda k: gpt.make_batch(k, cfg, model.microbatch_rows), jax.random.key(1)
+    )
+    graph = partition(gpt.make_loss_fn(cfg), params, microbatch)
+    programs = split(graph)
+    index = 1
+    program = programs[index]
+    fwd_args = list(program.forward.in_avals)
+    bwd_args = list(program.backward_input.in_avals)
+    stash_args = list(program.backward_weight.in_avals)
+    lines = [
+        f"**Memory** (1 device: compiled memory of stage {index} of {memory.NUM_DEVICES}, "
+        f"GPT d_model {model.d_model}, seq {model.seq_len}, {model.microbatch_rows} sequence "
+        "per microbatch, in MB):",
+        "",
+        "| program | temp | outputs |",
+        "|---|---|---|",
+    ]
+    for label, closed, args in (
+        ("F", program.forward, fwd_args),
+        ("B", program.backward_input, bwd_args),
+        ("W", program.backward_weight, stash_args),
+        ("BW", program.backward, bwd_args),
+    ):
+        temp, out = _compiled_memory(closed, args)
+        lines.append(f"| {label} | {temp / 1e6:.1f} | {out / 1e6:.1f} |")
+    lines += [
+        "",
+        f"M_B (activation_bytes) {program.activation_bytes / 1e6:.1f} MB, M_W (stash_bytes) "
+        f"{program.stash_bytes / 1e6:.1f} MB, params {program.param_bytes / 1e6:.1f} MB.",
+        "",
+        f"Predicted peak activations per device, {memory.NUM_DEVICES} devices, "
+        f"m = {MEMORY_MICROBATCHES}:",
+        "",
+        "| schedule | peak (M_B) | bytes (MB) |",
+        "|---|---|---|",
+    ]
+    for name in memory.SCHEDULE_NAMES:
+        stages = 2 * memory.NUM_DEVICES if name in memory.TWO_STAGES_PER_DEVICE else None
+        stages = stages or memory.NUM_DEVICES
+        sched_programs = programs
+        if stages != memory.NUM_DEVICES:
+            cfg_n = memory.gpt_config(model, stages)
+            sched_programs = split(partition(gpt.make_loss_fn(cfg_n), params, microbatch))
+        schedule = schedules.build(
+            name,
+            stages,
+            MEMORY_MICROBATCHES,
+            num_devices=memory.NUM_DEVICES,
+            costs=memory.program_costs(sched_programs),
+        )
+        units, peak = memory.predicted_peak(schedule, sched_programs)
+        lines.append(f"| {name} | {units:.3g} | {peak / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def pipeline_memory_section(model: memory.Model) -> str:
+    """Returns the compiled per-device memory of every schedule (needs 4 devices)."""
+    devices = jax.devices()[: memory.NUM_DEVICES]
+    mesh = jax.sharding.Mesh(np.array(devices), (memory.AXIS,))
+    rows = []
+    for name in memory.SCHEDULE_NAMES:
+        rows.append(memory.measure(name, MEMORY_MICROBATCHES, model, mesh))
+        print(memory.table(rows[-1:]).splitlines()[-1], flush=True)
+    return "\n".join(
+        [
+            f"**Memory** ({memory.NUM_DEVICES} devices, m = {MEMORY_MICROBATCHES}, GPT d_model "
+            f"{model.d_model}; kB per device, columns as in the memory section):",
+            "",
+            memory.table(rows),
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Returns 0 after running the three parts (2 when there is no GPU and no --cpu-smoke)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU, no writes")
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        jax.config.update("jax_num_cpu_devices", memory.NUM_DEVICES)
+    backend = jax.default_backend()
+    if backend != "gpu" and not args.cpu_smoke:
+        print(
+            f"gpu.py measures GPU behaviour, but JAX's backend here is {backend!r} "
+            f"({jax.devices()[0].device_kind}); run it on a GPU machine, or pass --cpu-smoke "
+            "to check the script at toy sizes on CPU (nothing is written).",
+            file=sys.stderr,
+        )
+        return 2
+    began = time.perf_counter()
+    smoke = args.cpu_smoke
+    repeats = 3 if smoke else args.repeats
+    parts = [tick_overhead_section(rounds=3 if smoke else 11)]
+    print(parts[-1], flush=True)
+    parts.append(bw_split_section(bw_split.SMOKE_SIZES if smoke else REALISTIC, repeats))
+    print(parts[-1], flush=True)
+    model = memory.SMOKE_MODEL if smoke else REALISTIC_MEMORY
+    if len(jax.devices()) >= memory.NUM_DEVICES and not smoke:
+        parts.append(pipeline_memory_section(model))
+    else:
+        parts.append(stage_memory_section(model))
+    print(parts[-1], flush=True)
+    device = jax.devices()[0]
+    body = "\n\n".join(
+        [
+            "## GPU: per-tick overhead, B/W split and memory at width 4096",
+            f"Made by `{COMMAND}` on {len(jax.devices())} x {device.device_kind} "
+            f"(jax {jax.__version__}). Timings are medians; see the bw_split and memory "
+            "sections for what each column means.",
+            *parts,
+            f"Took {time.perf_counter() - began:.0f} s.",
+        ]
+    )
+    if smoke:
+        print(f"--cpu-smoke: not writing RESULTS.md ({time.perf_counter() - began:.0f} s)")
+        return 0
+    path = write_section("gpu", body)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,274 @@
+"""How much memory does each schedule take per device, and does it follow the schedule's peak?
+
+For every schedule on a 4-device CPU mesh and m in {4, 8, 16}, a GPT pipeline step (staged
+params) is compiled and ``compiled.memory_analysis()`` read: ``argument_size_in_bytes`` (the
+device's parameter row plus the batch) and ``temp_size_in_bytes`` (activation buffers, ring
+buffers, gradient accumulators). Next to them: the schedule's simulated peak activation memory
+(in M_B units, ``simulate(...).peak_memory``) times the stage program's ``activation_bytes``,
+and the residual ring buffer the lowering allocates (slots x slot bytes). Writes the section
+"memory" of ``benchmarks/RESULTS.md`` and ``benchmarks/figures/memory.png``.
+
+Run: ``python benchmarks/memory.py [--microbatches 4 8 16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import zbjax
+from zbjax import schedules
+from zbjax.lower import lower
+from zbjax.partition import partition
+from zbjax.split import split
+from zbjax.stages import StageProgram
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_section
+from bw_split import machine_load
+
+from models import gpt
+
+COMMAND = "python benchmarks/memory.py"
+FIGURES = Path(__file__).resolve().parent / "figures"
+AXIS = "pp"
+NUM_DEVICES = 4
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
+TWO_STAGES_PER_DEVICE = ("interleaved-1f1b", "zb-v")
+
+
+@dataclass(frozen=True)
+class Model:
+    """The GPT's sizes and rows per microbatch."""
+
+    d_model: int = 128
+    num_heads: int = 4
+    seq_len: int = 64
+    vocab_size: int = 128
+    num_layers: int = 8
+    microbatch_rows: int = 4
+
+
+SMOKE_MODEL = Model(
+    d_model=16, num_heads=2, seq_len=8, vocab_size=16, num_layers=8, microbatch_rows=1
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """Memory of one schedule at one m: compiled figures and the predictions, in bytes."""
+
+    name: str
+    m: int
+    param_bytes: int  # this device's staged parameter row
+    argument_bytes: int
+    temp_bytes: int
+    peak_units: float  # simulated peak activation memory, M_B units, largest device
+    predicted_bytes: float  # peak_units x that device's stage activation_bytes
+    ring_bytes: int  # residual ring buffer the lowering allocates per device
+    ring_slots: int
+
+
+def gpt_config(model: Model, num_stages: int) -> gpt.GPTConfig:
+    """Returns the GPT config cut into ``num_stages`` cost-balanced stages."""
+    cfg = gpt.GPTConfig(
+        vocab_size=model.vocab_size,
+        seq_len=model.seq_len,
+        d_model=model.d_model,
+        num_heads=model.num_heads,
+        num_layers=model.num_layers,
+    )
+    return gpt.GPTConfig(
+        **{**cfg.__dict__, "stage_boundaries": gpt.balanced_boundaries(cfg, num_stages)}
+    )
+
+
+def program_costs(programs: Sequence[StageProgram]) -> schedules.Costs:
+    """Returns the stage programs' estimated F, B, W costs (what zb-auto schedules with)."""
+    return schedules.Costs(
+        tuple(p.cost_forward for p in programs),
+        tuple(p.cost_backward_input for p in programs),
+        tuple(p.cost_backward_weight for p in programs),
+        0.0,
+    )
+
+
+def predicted_peak(
+    schedule: schedules.Schedule, programs: Sequence[StageProgram]
+) -> tuple[float, float]:
+    """Returns (largest per-device peak in M_B units, the same in bytes) from the simulator.
+
+    A device's M_B is the largest ``activation_bytes`` among its stages (the lowering sizes every
+    slot for the largest stage).
+    """
+    result = schedules.simulate(schedule, program_costs(programs))
+    best_units, best_bytes = 0.0, 0.0
+    for device, units in enumerate(result.peak_memory):
+        unit = max(
+            p.activation_bytes for s, p in enumerate(programs) if schedule.placement[s] == device
+        )
+        if units * unit >= best_bytes:
+            best_units, best_bytes = units, units * unit
+    return best_units, best_bytes
+
+
+def measure(
+    name: str,
+    m: int,
+    model: Model,
+    mesh: jax.sharding.Mesh,
+) -> Row:
+    """Returns the compiled memory of ``name`` at ``m`` microbatches next to its predictions."""
+    stages = 2 * NUM_DEVICES if name in TWO_STAGES_PER_DEVICE else NUM_DEVICES
+    cfg = gpt_config(model, stages)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, m * model.microbatch_rows)
+    microbatch = jax.tree.map(lambda x: x[: model.microbatch_rows], batch)
+    loss_fn = gpt.make_loss_fn(cfg)
+    graph = partition(loss_fn, params, microbatch)
+    programs = split(graph)
+    schedule = schedules.build(
+        name, stages, m, num_devices=NUM_DEVICES, costs=program_costs(programs)
+    )
+    lowering = lower(graph, programs, schedule, mesh, AXIS)
+    peak_units, peak_bytes = predicted_peak(schedule, programs)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, axis_name=AXIS, schedule=schedule, num_microbatches=m)
+    pipe.lower(params, batch)  # builds the pipeline, so that params can be staged
+    staged = pipe.stage(params)
+    analysis = pipe.lower(staged, batch).compile().memory_analysis()
+    slot_bytes = lowering.slot_bytes()[0]
+    slots = lowering.tables.num_residual_slots
+    return Row(
+        name,
+        m,
+        lowering.layout.bytes_per_device(),
+        int(analysis.argument_size_in_bytes),
+        int(analysis.temp_size_in_bytes),
+        peak_units,
+        peak_bytes,
+        (slots + 1) * slot_bytes,  # + 1: the spare slot that absorbs idle writes
+        slots,
+    )
+
+
+def stage_sizes(model: Model, num_stages: int) -> str:
+    """Returns one line per stage: parameter, M_B (activation) and M_W (stash) bytes."""
+    cfg = gpt_config(model, num_stages)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    microbatch = gpt.make_batch(jax.random.key(1), cfg, model.microbatch_rows)
+    programs = split(partition(gpt.make_loss_fn(cfg), params, microbatch))
+    return "; ".join(
+        f"stage {i}: params {p.param_bytes / 1e3:.0f} kB, M_B {p.activation_bytes / 1e3:.0f} kB, "
+        f"M_W {p.stash_bytes / 1e3:.0f} kB"
+        for i, p in enumerate(programs)
+    )
+
+
+def table(rows: Sequence[Row]) -> str:
+    """Returns the markdown table (kB per device)."""
+    lines = [
+        "| schedule | m | staged params (kB) | arguments (kB) | temp (kB) | predicted peak "
+        "(M_B) | predicted activations (kB) | residual ring buffer (kB, slots) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {r.m} | {r.param_bytes / 1e3:.0f} | {r.argument_bytes / 1e3:.0f} | "
+            f"{r.temp_bytes / 1e3:.0f} | {r.peak_units:.3g} | {r.predicted_bytes / 1e3:.0f} | "
+            f"{r.ring_bytes / 1e3:.0f} ({r.ring_slots}) |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Row], path: Path) -> Path:
+    """Returns ``path`` after drawing temp bytes and predicted activation bytes against m."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r.name for r in rows):
+        mine = [r for r in rows if r.name == name]
+        ms = [r.m for r in mine]
+        axes[0].plot(ms, [r.temp_bytes / 1e6 for r in mine], marker="o", label=name)
+        axes[1].plot(ms, [r.predicted_bytes / 1e6 for r in mine], marker="o", label=name)
+    axes[0].set_title("compiled temp_size_in_bytes per device (MB)")
+    axes[1].set_title("predicted peak activations per device (MB)")
+    for ax in axes:
+        ax.set_xlabel("microbatches m")
+        ax.set_xscale("log", base=2)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Returns 0 after compiling every schedule and m and writing the "memory" section."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    args = parser.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", NUM_DEVICES)  # before any JAX computation
+    began = time.perf_counter()
+    model = Model()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:NUM_DEVICES]), (AXIS,))
+    rows, errors = [], []
+    for name in SCHEDULE_NAMES:
+        for m in args.microbatches:
+            try:
+                rows.append(measure(name, m, model, mesh))
+            except ValueError as err:  # a schedule that cannot run at this m: say so
+                errors.append(f"{name} m={m}: {err}")
+                continue
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    figure = plot(rows, FIGURES / "memory.png")
+    body = [
+        "## Memory per device: compiled memory analysis versus the schedule's peak",
+        "",
+        f"Made by `{COMMAND} --microbatches {' '.join(map(str, args.microbatches))}` "
+        f"(jax {jax.__version__}, {NUM_DEVICES} fake CPU devices). Every number is read from "
+        "`pipe.lower(staged_params, batch).compile().memory_analysis()` (one SPMD program, so "
+        "the figures are per device) or computed from the schedule; nothing is typed in.",
+        f"Model: GPT (linen, tied head), d_model {model.d_model}, {model.num_layers} blocks, "
+        f"seq {model.seq_len}, vocab {model.vocab_size}, {model.microbatch_rows} sequences per "
+        f"microbatch, cut into {NUM_DEVICES} cost-balanced stages "
+        f"({2 * NUM_DEVICES} for {' and '.join(TWO_STAGES_PER_DEVICE)}).",
+        f"4 stages: {stage_sizes(model, NUM_DEVICES)}.",
+        f"8 stages: {stage_sizes(model, 2 * NUM_DEVICES)}.",
+        "",
+        "Columns: *staged params* = this device's row of the staged parameter layout; "
+        "*arguments* = `argument_size_in_bytes` (staged params plus the whole batch, which "
+        "every device receives); *temp* = `temp_size_in_bytes` (ring buffers, messages, "
+        "gradient accumulators, the stage programs' scratch); *predicted peak* = "
+        "`max(simulate(schedule).peak_memory)` in M_B (F adds 1, B frees 1 − w_mem, W frees "
+        "w_mem = 0.5); *predicted activations* = that times the device's stage "
+        "`activation_bytes`; *ring buffer* = (residual slots + 1 spare) × slot bytes, the "
+        "slot sized max(residuals, stash) of the largest stage, slots counted in lockstep.",
+        "",
+        table(rows),
+        "",
+    ]
+    if errors:
+        body += ["Not measured:", ""] + [f"- {e}" for e in errors] + [""]
+    body += [
+        f"Figure: [memory.png](figures/{figure.name}).",
+        f"Machine load at the end: `{machine_load()}`. Took {time.perf_counter() - began:.0f} s.",
+    ]
+    path = write_section("memory", "\n".join(body))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
