@@ -1,0 +1,76 @@
+"""Smoke runs of the benchmark scripts' core functions at toy sizes, so the scripts don't rot."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bw_split  # noqa: E402
+import gpu  # noqa: E402
+import memory  # noqa: E402
+import step_time  # noqa: E402
+
+from zbjax import schedules  # noqa: E402
+
+
+def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
+    case = bw_split.reference_cases(bw_split.SMOKE_SIZES)[0]
+    m = bw_split.measure(case, repeats=2)
+    assert m.flops_b + m.flops_w == m.flops_bw > 0
+    assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
+    assert "| yes |" in bw_split.table([m])
+
+
+def test_textbook_gpipe_equals_jax_grad():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (step_time.AXIS,))
+    assert step_time.check_textbook(step_time.SMOKE_SETUP, mesh, 4) < 1e-5
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_gpipe_lockstep_time_is_ticks_times_slowest_action(m):
+    # gpipe on 2 devices: m + 1 forward ticks (cost F) then m + 1 backward ticks (cost B + W).
+    schedule = schedules.build("gpipe", 2, m)
+    time_, ticks = step_time.lockstep_time(schedule, schedules.Costs(1.0, 2.0, 3.0))
+    assert ticks == 2 * (m + 1)
+    assert time_ == pytest.approx((m + 1) * (1.0 + 5.0))
+
+
+def test_alternate_times_every_variant_every_round_and_ratios_are_per_round():
+    times = step_time.alternate({"a": lambda: 1, "b": lambda: 2}, rounds=3)
+    assert [len(t) for t in times.values()] == [3, 3]
+    times = {"a": [1.0, 2.0, 3.0], "b": [2.0, 2.0, 2.0]}
+    assert step_time.median_ratio(times, "a", "b") == 1.0
+
+
+def _programs(num_stages, activation_bytes):
+    return [
+        SimpleNamespace(
+            activation_bytes=activation_bytes,
+            cost_forward=1.0,
+            cost_backward_input=1.0,
+            cost_backward_weight=1.0,
+        )
+        for _ in range(num_stages)
+    ]
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_predicted_peak_grows_with_m_for_gpipe_and_stays_at_p_for_1f1b(m):
+    gpipe = schedules.build("gpipe", 4, m)
+    one_f_one_b = schedules.build("1f1b", 4, m)
+    assert memory.predicted_peak(gpipe, _programs(4, 100)) == (m, 100 * m)
+    assert memory.predicted_peak(one_f_one_b, _programs(4, 100)) == (4, 400)
+
+
+def test_gpu_script_refuses_politely_without_a_gpu(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    assert gpu.main([]) == 2
+    assert "--cpu-smoke" in capsys.readouterr().err
