@@ -62,8 +62,19 @@ def gpt_case(module, stages, cfg=GPT_CFG):
     return module.make_loss_fn(cfg), params, batch
 
 
-@pytest.mark.parametrize("module", [gpt, gpt_nnx, gpt_scan], ids=["linen", "nnx", "scan"])
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+# Every schedule family on the tied linen GPT, and each other flavour once (compiles are the
+# cost of this file: about 5 s each for a 4-device GPT on 2 cores).
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        (gpt, "1f1b"),
+        (gpt, "zb-h1"),
+        (gpt, "zb-v"),
+        (gpt_nnx, "zb-v"),
+        (gpt_scan, "zb-h1"),
+    ],
+    ids=["linen-1f1b", "linen-zb-h1", "linen-zb-v", "nnx-zb-v", "scan-zb-h1"],
+)
 def test_pipelined_gpts_equal_value_and_grad_at_p4(module, name):
     stages = 8 if name == "zb-v" else 4
     cfg = dataclasses.replace(GPT_CFG, num_layers=stages - 1)
@@ -71,10 +82,11 @@ def test_pipelined_gpts_equal_value_and_grad_at_p4(module, name):
     pipe = zbjax.pipeline(
         loss_fn, mesh=pp_mesh(4), schedule=name, num_microbatches=4, num_stages=stages
     )
-    assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+    reference = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    assert_close(pipe.value_and_grad(params, batch), reference)
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("name", ["zb-h1"])
 def test_pipelined_tied_gpt_equals_value_and_grad_at_p8(name):
     stages = 16 if name == "zb-v" else 8
     cfg = dataclasses.replace(GPT_CFG, num_layers=stages - 1)
@@ -82,14 +94,16 @@ def test_pipelined_tied_gpt_equals_value_and_grad_at_p8(name):
     pipe = zbjax.pipeline(
         loss_fn, mesh=pp_mesh(8), schedule=name, num_microbatches=8, num_stages=stages
     )
-    assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+    reference = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    assert_close(pipe.value_and_grad(params, batch), reference)
 
 
 def test_pp4_dp2_mesh_splits_the_batch_over_dp_and_matches():
     loss_fn, params, batch = gpt_case(gpt, 4)
     mesh = jax.make_mesh((4, 2), ("pp", "dp"), axis_types=(AUTO, AUTO))
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4)
-    assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+    reference = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    assert_close(pipe.value_and_grad(params, batch), reference)
 
 
 def test_dropout_key_gives_microbatch_i_fold_in_key_i():
@@ -102,7 +116,8 @@ def test_dropout_key_gives_microbatch_i_fold_in_key_i():
     key = jax.random.key(7)
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=4)
     result = pipe.value_and_grad(params, batch, key=key)
-    assert_close(result, reference_value_and_grad(loss_fn, params, batch, 4, key=key))
+    reference = jax.jit(lambda p, b, k: reference_value_and_grad(loss_fn, p, b, 4, key=k))
+    assert_close(result, reference(params, batch, key))
 
 
 # ----------------------------------------------------------------------------- layouts, jit
@@ -111,14 +126,14 @@ def test_dropout_key_gives_microbatch_i_fold_in_key_i():
 def test_staged_params_give_staged_grads_and_round_trip():
     loss_fn, params, batch = gpt_case(gpt, 2)
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=4)
-    loss, grads = pipe.value_and_grad(params, batch)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    pipe.lower(params, batch)  # builds the layout without compiling the user-layout step
     staged = pipe.stage(params)
     assert isinstance(staged, zbjax.StagedParams)
     for a, b in zip(jax.tree.leaves(pipe.unstage(staged)), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
     staged_loss, staged_grads = pipe.value_and_grad(staged, batch)
     assert isinstance(staged_grads, zbjax.StagedParams)
-    np.testing.assert_allclose(staged_loss, loss, rtol=1e-6)
     # The tied embedding's copies (first and last device) each hold the summed gradient.
     assert_close((staged_loss, pipe.unstage(staged_grads)), (loss, grads))
 
