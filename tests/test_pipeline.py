@@ -86,7 +86,7 @@ def test_pipelined_gpts_equal_value_and_grad_at_p4(module, name):
     assert_close(pipe.value_and_grad(params, batch), reference)
 
 
-@pytest.mark.parametrize("name", ["zb-h1"])
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
 def test_pipelined_tied_gpt_equals_value_and_grad_at_p8(name):
     stages = 16 if name == "zb-v" else 8
     cfg = dataclasses.replace(GPT_CFG, num_layers=stages - 1)
