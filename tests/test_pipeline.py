@@ -106,6 +106,16 @@ def test_pp4_dp2_mesh_splits_the_batch_over_dp_and_matches():
     assert_close(pipe.value_and_grad(params, batch), reference)
 
 
+def test_explicit_sharding_mesh_works_like_an_auto_one(mlp_setup):
+    loss_fn, params, batch, reference = mlp_setup
+    mesh = jax.make_mesh((2, 2), ("pp", "dp"), devices=jax.devices()[:4])  # Explicit axes
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+    staged = pipe.stage(params)
+    for a, b in zip(jax.tree.leaves(pipe.unstage(staged)), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_dropout_key_gives_microbatch_i_fold_in_key_i():
     cfg = dataclasses.replace(GPT_CFG, num_layers=2, dropout_rate=0.1, stage_boundaries=(0,))
     loss_fn = gpt.make_loss_fn(cfg)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax.errors import ScheduleError
 from zbjax.params import (
@@ -524,17 +524,18 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
         return loss, [g[None] for g in grad_acc]
 
     mesh = low.mesh
+    in_specs = (
+        [PartitionSpec(axis)] * len(staged.rows),
+        [
+            PartitionSpec(None, data_axes) if data_axes and b.ndim >= 2 else PartitionSpec()
+            for b in batch_leaves
+        ],
+        tuple(PartitionSpec(None, axis) for _ in xs),
+    )
     run = jax.shard_map(
         device_program,
         mesh=mesh,
-        in_specs=(
-            [PartitionSpec(axis)] * len(staged.rows),
-            [
-                PartitionSpec(None, data_axes) if data_axes and b.ndim >= 2 else PartitionSpec()
-                for b in batch_leaves
-            ],
-            tuple(PartitionSpec(None, axis) for _ in xs),
-        ),
+        in_specs=in_specs,
         out_specs=(PartitionSpec(), [PartitionSpec(axis)] * len(staged.rows)),
         # Manual over every mesh axis: the other axes are data parallel, done by hand. Left to
         # the compiler, they put collectives inside the switch branches, which only the
@@ -546,5 +547,15 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
         # only the loss is psum-ed, everything else is per device.
         check_vma=False,
     )
-    loss, grad_rows = run(list(staged.rows), list(batch_leaves), xs)
+    args = (list(staged.rows), list(batch_leaves), xs)
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        # Under explicit sharding shard_map takes inputs only when they already carry its
+        # in_specs; reshard them (a no-op for inputs placed that way already).
+        args = jax.tree.map(
+            lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec)),
+            args,
+            in_specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+    loss, grad_rows = run(*args)
     return loss, StagedParams(grad_rows, staged.dtypes)

@@ -142,7 +142,7 @@ class Pipeline:
         """Returns the user-layout params (or, for grads, use ``value_and_grad``) of ``staged``."""
         built = self._require_built("unstage")
         self._check_staged(staged, built)
-        leaves = unstage_leaves(built.lowering.layout, staged)
+        leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
         return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
 
     def report(self) -> str:
@@ -360,7 +360,7 @@ class Pipeline:
                 stacked = (stacked, microbatch_keys(key, m))
             leaves = jax.tree.leaves(stacked)
             loss, grads = low.step(staged, leaves)
-            grad_leaves = unstage_gradients(low.layout, grads)
+            grad_leaves = unstage_gradients(low.layout, _replicated(grads, self.mesh))
             if staged_input:
                 # Every copy of a tied leaf gets the summed gradient, so that an optimizer
                 # applied in the staged layout keeps the copies equal.
@@ -368,6 +368,14 @@ class Pipeline:
             return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves)
 
         return step
+
+
+def _replicated(staged: StagedParams, mesh: Any) -> StagedParams:
+    """Returns ``staged`` replicated when ``mesh`` shards explicitly (rows are sliced next)."""
+    if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return staged
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda r: jax.reshard(r, sharding), staged)
 
 
 def _program_costs(programs: tuple[StageProgram, ...]) -> Costs:
