@@ -140,7 +140,7 @@ def test_progress_prints_lines_in_a_log_and_a_carriage_return_bar_on_a_terminal(
     lines = log.getvalue().splitlines()
     assert len(lines) == 3 and "\r" not in log.getvalue()
     assert lines[2].startswith("step 3/3") and "loss 1.0000" in lines[2]
-    assert "2,048 tok/s" in lines[2] and "25.0%" in lines[2]
+    assert "500 ms" in lines[2] and "2,048 tok/s" in lines[2] and "25.0%" in lines[2]
     term = io.StringIO()
     for info in infos:
         Progress(term, tty=True)(info)
