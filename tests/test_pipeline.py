@@ -205,7 +205,7 @@ def memory_table():
 
 def test_each_device_holds_only_its_stages_parameters(memory_table):
     pipe, mem, batch_bytes, _ = memory_table[("1f1b", 8)]
-    graph = pipe._last.graph
+    graph = pipe.graph
     largest = max(
         sum(graph.param_avals[i].size * graph.param_avals[i].dtype.itemsize for i in s.param_leaves)
         for s in graph.stages

@@ -145,6 +145,26 @@ class Pipeline:
         leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
         return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
 
+    @property
+    def graph(self) -> StageGraph:
+        """Returns the stage graph of the latest build (after the first call)."""
+        return self._require_built("graph").graph
+
+    @property
+    def programs(self) -> tuple[StageProgram, ...]:
+        """Returns the F/B/W/BW stage programs of the latest build."""
+        return self._require_built("programs").programs
+
+    @property
+    def schedule(self) -> Schedule:
+        """Returns the schedule the latest build runs."""
+        return self._require_built("schedule").schedule
+
+    @property
+    def lowering(self) -> Lowering:
+        """Returns the latest build's lowering: tick tables, staged layout, slot sizes."""
+        return self._require_built("lowering").lowering
+
     def report(self) -> str:
         """Returns stages, schedule grid, simulated bubble rate and compiled per-device memory."""
         built = self._require_built("report")
