@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import pathlib
 import random
 
 import numpy as np
@@ -33,10 +34,9 @@ TINY = DemoConfig(
 def tiny_run(tmp_path_factory):
     """Returns (DemoResult, the report passed to on_report, the steps passed to on_step)."""
     out = tmp_path_factory.mktemp("demo")
+    config = dataclasses.replace(TINY, out_dir=str(out), profile_dir=str(out / "profile"))
     reports, steps = [], []
-    result = run_demo(
-        dataclasses.replace(TINY, out_dir=str(out)), on_report=reports.append, on_step=steps.append
-    )
+    result = run_demo(config, on_report=reports.append, on_step=steps.append)
     return result, reports, steps
 
 
@@ -119,6 +119,44 @@ def test_report_progress_and_schedule_files(tiny_run):
     assert len(events) == 3 * 4 * 4  # F, B and W of 4 stages x 4 microbatches
     text = summary(result)
     assert text.count("PASS") == 2 and "FAIL" not in text
+
+
+def test_profile_writes_a_jax_profiler_trace(tiny_run):
+    profile = next(p for p in tiny_run[0].files if p.endswith("profile"))
+    assert list(pathlib.Path(profile).rglob("*.xplane.pb"))
+
+
+def test_cli_demo_passes_flags_prints_report_progress_and_exits_1_on_fail(
+    tiny_run, monkeypatch, capsys
+):
+    result, reports, steps = tiny_run
+    seen = []
+
+    def fake_run_demo(config, on_report, on_step):
+        """Replays the tiny run, so that this test checks the CLI and not the training."""
+        seen.append(config)
+        on_report(reports[0])
+        for info in steps:
+            on_step(info)
+        return outcome
+
+    monkeypatch.setattr("zbjax.demo.run_demo", fake_run_demo)
+    argv = ["demo", "--schedule", "1f1b", "--devices", "4", "--stages", "4", "--layers", "4"]
+    argv += ["--width", "16", "--steps", "5", "--lr", "0.01", "--profile", "P", "--out", "O"]
+    outcome = result
+    assert main([*argv, "--no-check-final"]) == 0
+    out = capsys.readouterr().out
+    config = seen[0]
+    assert (config.schedule, config.devices, config.stages, config.layers) == ("1f1b", 4, 4, 4)
+    assert (config.width, config.steps, config.lr) == (16, 5, 0.01)
+    assert (config.profile_dir, config.out_dir, config.check_final) == ("P", "O", False)
+    assert "4 stages on 4 devices" in out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == 5
+    assert out.rstrip().endswith("PASS")
+    failed = dataclasses.replace(result.first_step, passed=False)
+    outcome = dataclasses.replace(result, first_step=failed)
+    assert main(argv) == 1
+    assert "FAIL" in capsys.readouterr().out
 
 
 def test_first_step_check_fails_on_a_wrong_gradient():

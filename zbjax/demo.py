@@ -553,6 +553,9 @@ def summary(result: DemoResult) -> str:
         f"{mean_step * 1e3:.1f} ms/step after the first "
         f"({result.tokens_per_step / mean_step:,.0f} tokens/s); wall {result.wall_seconds:.1f} s",
         _curve(losses),
+        f"simulated bubble {result.bubble_rate:.1%}: the schedule that ran, simulated with "
+        "per-stage FLOP estimates and B = W = F (the report above simulates it with the stage "
+        "programs' own cost estimates)",
         "time: " + ", ".join(f"{name} {sec:.1f} s" for name, sec in result.phase_seconds),
     ]
     first = result.first_step
