@@ -22,6 +22,13 @@ Stage assignment:
   targets, dropout bits drawn from a key) go to the earliest stage that reads them, so they are
   never computed twice; the stages after it receive them on an edge. Free inputs of a marker
   are read at the stage of the marker's other inputs (stage 0 when it has none).
+- **Assigned** (``assign=`` given). ``assign(program, num_params)`` receives the flat inlined
+  program (a ``ClosedJaxpr`` whose first ``num_params`` inputs are the param leaves, then the
+  batch leaves) and returns one stage per equation, e.g. GraphPipe's
+  ``op_graph_from_jaxpr(...).equation_stages(graph_partition(...))``. Markers in the program
+  are then only identities. Stages must be numbered so that every value flows from a stage to
+  itself or a later one, every stage gets at least one equation, and the loss is computed in
+  the last stage.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ def partition(
     *,
     num_stages: int | None = None,
     key: Any = None,
+    assign: Callable[[ClosedJaxpr, int], Sequence[int]] | None = None,
 ) -> StageGraph:
     """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
 
@@ -77,7 +85,8 @@ def partition(
     when it is None). With ``key`` (a PRNG key or its ShapeDtypeStruct), ``loss_fn`` is called
     as ``loss_fn(params, microbatch, key)`` and the graph's batch pytree is
     ``(microbatch, key)``: the key is a batch leaf, one per microbatch (see
-    ``zbjax.microbatch.microbatch_keys``).
+    ``zbjax.microbatch.microbatch_keys``). With ``assign``, the callable picks every
+    equation's stage (module docstring) and ``num_stages``, when given, must match its count.
     """
     if num_stages is not None and num_stages < 1:
         raise PartitionError(f"num_stages={num_stages}; ask for at least 1 stage")
@@ -87,6 +96,13 @@ def partition(
     program = _trace(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key)
     eqns = list(program.jaxpr.eqns)
     markers = [i for i, eqn in enumerate(eqns) if is_stage_boundary(eqn)]
+    if assign is not None:
+        closed = ClosedJaxpr(program.jaxpr, list(program.consts))
+        eqn_stages = _check_assigned(program, assign(closed, program.num_params), num_stages)
+        names = [f"stage {s}" for s in range(max(eqn_stages) + 1)]
+        return _build_graph(
+            program, eqn_stages, names, params_treedef, batch_treedef, param_avals, batch_avals
+        )
     if markers:
         if num_stages is not None and num_stages != len(markers) + 1:
             raise PartitionError(
@@ -307,6 +323,50 @@ def _assign_stages(program: _Program, explicit: dict[int, int], count: int) -> l
             if isinstance(v, Var) and v not in var_stage:
                 read_at[v] = min(read_at.get(v, last), reader)
     return [int(s) for s in eqn_stage]  # type: ignore[arg-type]
+
+
+def _check_assigned(
+    program: _Program, assigned: Sequence[int], num_stages: int | None
+) -> list[int]:
+    """Returns ``assigned`` as ints after checking it is a valid stage per equation."""
+    eqns = program.jaxpr.eqns
+    stages = [int(s) for s in assigned]
+    if len(stages) != len(eqns):
+        raise PartitionError(
+            f"assign returned {len(stages)} stages but the program has {len(eqns)} equations; "
+            "return one stage per equation of the program it receives"
+        )
+    if not stages:
+        raise PartitionError("the program has no equations; there is nothing to assign")
+    count = max(stages) + 1
+    missing = sorted(set(range(count)) - set(stages))
+    if min(stages) < 0 or missing:
+        raise PartitionError(
+            f"assign used stages {sorted(set(stages))}; number the stages 0..k-1 with no gaps "
+            f"and no negatives (missing {missing})"
+        )
+    if num_stages is not None and num_stages != count:
+        raise PartitionError(
+            f"assign made {count} stages but num_stages={num_stages}; pass num_stages=None "
+            f"or {count}"
+        )
+    defined_at: dict[Var, int] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if isinstance(v, Var) and defined_at.get(v, -1) > stages[i]:
+                raise PartitionError(
+                    f"assign puts equation {i} ({eqn.primitive.name}) in stage {stages[i]} but "
+                    f"it reads a value computed in stage {defined_at[v]}; a value may only "
+                    "flow to its own or a later stage (number the stages topologically)"
+                )
+        defined_at.update((v, stages[i]) for v in eqn.outvars)
+    loss = program.jaxpr.outvars[0]
+    if isinstance(loss, Var) and defined_at.get(loss, count - 1) != count - 1:
+        raise PartitionError(
+            f"assign computes the loss in stage {defined_at[loss]}, not in the last stage "
+            f"{count - 1}; every other stage must feed the loss, so number its stage last"
+        )
+    return stages
 
 
 def _aval_struct(atom: Any) -> jax.ShapeDtypeStruct:

@@ -11,6 +11,18 @@ Choices a careful user would want to know:
 
 - ``num_stages`` defaults to the marker count + 1 when ``loss_fn`` has ``stage_boundary``
   markers, else to the pp axis size (twice that for ``zb-v`` and ``interleaved-1f1b``).
+- ``partitioner`` picks how the program is cut into stages: ``"markers"`` (at the
+  ``stage_boundary`` markers; an error without any), ``"chain"`` (contiguous stages balanced
+  by the cost model; an error when ``loss_fn`` has markers), ``"graph"`` (GraphPipe: the traced
+  program becomes an operator graph, ``graphpipe.graph_partition`` cuts it into a DAG of at
+  most one stage per pp device, independent branches in parallel stages, and its placement is
+  used), or ``"auto"`` (default): markers when there are any, else ``"graph"`` for the DAG
+  schedules ``dag-1f1b``/``dag-zb`` given by name, else ``"chain"``.
+- The DAG schedules (``dag-1f1b``, ``dag-zb``) by name are built on the stage graph's edges,
+  with its stage names and, unless ``costs`` is given, the stage programs' cost estimates.
+  Stage ``s`` runs on device ``placement[s]``: the ``placement`` argument when given, else
+  GraphPipe's placement (``partitioner="graph"``), else stage ``s`` on device ``s`` when there
+  are as many stages as pp devices (otherwise it is an error that says what to pass).
 - The pipeline binds to the params structure it first sees; later calls must pass params of
   the same tree and shapes, in the user layout or the staged one (``pipe.stage(params)``).
   Grads come back in the layout given. Staged params are what keep each device's parameter
@@ -23,16 +35,16 @@ Choices a careful user would want to know:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax import schedules
+from zbjax import graphpipe, schedules
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
@@ -45,8 +57,19 @@ from zbjax.stages import StageGraph, StageProgram
 #: Schedules that put two stages on every device.
 TWO_STAGES_PER_DEVICE = ("zb-v", "interleaved-1f1b")
 
+#: How ``pipeline`` may cut the program into stages (see the module docstring).
+PARTITIONERS = ("auto", "markers", "chain", "graph")
 
-@dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True)
+class _Partitioned:
+    """A stage graph and, when the partitioner chose one, the device of each stage."""
+
+    graph: StageGraph
+    placement: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Built:
     """One compiled variant of the step: for one set of input shapes."""
 
@@ -55,6 +78,7 @@ class _Built:
     schedule: Schedule
     lowering: Lowering
     step: Callable[..., Any]  # jitted (params or staged, batch, key) -> (loss, grads)
+    partitioner: str = "chain"  # the partitioner that made ``graph`` ("auto" resolved)
 
 
 def _avals(tree: Any) -> Any:
@@ -80,6 +104,8 @@ class Pipeline:
         costs: Costs | None = None,
         mem_limit: float | None = None,
         w_mem: float = 0.5,
+        partitioner: str = "auto",
+        placement: Sequence[int] | None = None,
     ):
         if axis_name not in mesh.axis_names:
             raise PipelineError(
@@ -89,10 +115,28 @@ class Pipeline:
             )
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise PipelineError(f"num_microbatches={num_microbatches!r}; it must be an int >= 1")
-        if isinstance(schedule, str) and schedule not in schedules.SCHEDULE_NAMES:
+        names = schedules.SCHEDULE_NAMES + schedules.DAG_SCHEDULE_NAMES
+        if isinstance(schedule, str) and schedule not in names:
             raise ScheduleError(
                 f"unknown schedule {schedule!r}; choose one of: "
-                f"{', '.join(schedules.SCHEDULE_NAMES)} or pass a zbjax.schedules.Schedule"
+                f"{', '.join(names)} or pass a zbjax.schedules.Schedule"
+            )
+        if partitioner not in PARTITIONERS:
+            raise PipelineError(
+                f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}"
+            )
+        if partitioner == "graph" and num_stages is not None:
+            raise PipelineError(
+                f"partitioner='graph' chooses the stage count itself (at most one stage per "
+                f"device), but num_stages={num_stages} was given; leave num_stages=None, or "
+                "use partitioner='chain' for a fixed count"
+            )
+        if placement is not None and schedule not in schedules.DAG_SCHEDULE_NAMES:
+            raise PipelineError(
+                f"placement={tuple(placement)} is only used by the DAG schedules "
+                f"{schedules.DAG_SCHEDULE_NAMES} given by name, not by "
+                f"{self._name_of(schedule)!r}; "
+                "leave placement=None (a prebuilt Schedule carries its own placement)"
             )
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -106,6 +150,8 @@ class Pipeline:
         self.costs = costs
         self.mem_limit = mem_limit
         self.w_mem = w_mem
+        self.partitioner = partitioner
+        self.placement = None if placement is None else tuple(int(d) for d in placement)
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -179,6 +225,7 @@ class Pipeline:
             "",
             "stages:",
             stage_summary(built.graph),
+            *_stage_dag_lines(built.graph, built.schedule, built.partitioner),
             "",
             "schedule (simulated with the stage programs' cost estimates):",
             schedules.text_grid(built.schedule, sim),
@@ -287,34 +334,151 @@ class Pipeline:
         return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
     def _build(self, params_avals: Any, micro: Any, key_aval: Any) -> _Built:
-        graph = self._partition(params_avals, micro, key_aval)
+        kind, parted = self._partition(params_avals, micro, key_aval)
+        graph = parted.graph
         programs = split(graph)
-        schedule = self._schedule(graph, programs)
+        schedule = self._schedule(graph, programs, parted.placement, kind)
         lowering = lower(graph, programs, schedule, self.mesh, self.axis_name)
         step = jax.jit(self._step_fn(lowering, graph, key_aval is not None))
-        return _Built(graph, programs, schedule, lowering, step)
+        return _Built(graph, programs, schedule, lowering, step, kind)
 
-    def _partition(self, params_avals: Any, micro: Any, key_aval: Any) -> StageGraph:
+    def _partition(self, params_avals: Any, micro: Any, key_aval: Any) -> tuple[str, _Partitioned]:
+        """Returns (the partitioner used, the stage graph and its placement if it chose one)."""
+        kind = self.partitioner
+        if kind == "auto" and self.num_stages is not None:
+            # A fixed count: markers must make exactly that many stages, else a chain cut.
+            graph = partition(
+                self.loss_fn, params_avals, micro, num_stages=self.num_stages, key=key_aval
+            )
+            return kind, _Partitioned(graph)
+        if kind in ("auto", "markers", "chain"):
+            # One trace tells whether there are markers (num_stages=None never cuts by cost).
+            marked = partition(self.loss_fn, params_avals, micro, key=key_aval)
+            has_markers = marked.num_stages > 1
+            if kind == "markers" and not has_markers:
+                raise PipelineError(
+                    "partitioner='markers' but loss_fn has no zbjax.stage_boundary markers; "
+                    "place markers where stages should start, or use partitioner='chain' or "
+                    "'graph' to cut automatically"
+                )
+            if kind == "chain" and has_markers:
+                raise PipelineError(
+                    f"partitioner='chain' balances stages by cost, but loss_fn has "
+                    f"{marked.num_stages - 1} stage_boundary markers, which always decide the "
+                    "cuts; use partitioner='markers' (or 'auto'), or remove the markers"
+                )
+            if kind == "auto":
+                if has_markers:
+                    kind = "markers"
+                elif self.schedule_name in schedules.DAG_SCHEDULE_NAMES and not isinstance(
+                    self.schedule_spec, Schedule
+                ):
+                    kind = "graph"
+                else:
+                    kind = "chain"
+        if kind == "markers":
+            if self.num_stages is not None and self.num_stages != marked.num_stages:
+                # partition() raises the error that names both counts.
+                partition(
+                    self.loss_fn, params_avals, micro, num_stages=self.num_stages, key=key_aval
+                )
+            return kind, _Partitioned(marked)
+        if kind == "graph":
+            return kind, self._graph_partition(params_avals, micro, key_aval)
         num_stages = self.num_stages
         if num_stages is None:
-            # Markers decide when there are any; otherwise one stage per device (two for V).
-            graph = partition(self.loss_fn, params_avals, micro, key=key_aval)
-            if graph.num_stages > 1:
-                return graph
             num_stages = self.num_devices * (
                 2 if self.schedule_name in TWO_STAGES_PER_DEVICE else 1
             )
-        return partition(self.loss_fn, params_avals, micro, num_stages=num_stages, key=key_aval)
+        if num_stages == 1:
+            return kind, _Partitioned(marked)
+        graph = partition(self.loss_fn, params_avals, micro, num_stages=num_stages, key=key_aval)
+        return kind, _Partitioned(graph)
+
+    def _graph_partition(self, params_avals: Any, micro: Any, key_aval: Any) -> _Partitioned:
+        """Returns GraphPipe's stage DAG of the traced program over the pp devices."""
+        chosen: list[graphpipe.GraphPartition] = []
+
+        def assign(program: Any, num_params: int) -> tuple[int, ...]:
+            op_graph = graphpipe.op_graph_from_jaxpr(program, num_params)
+            parted = graphpipe.graph_partition(
+                op_graph.graph, self.num_devices, self.num_microbatches
+            )
+            chosen.append(parted)
+            return op_graph.equation_stages(parted)
+
+        graph = partition(self.loss_fn, params_avals, micro, key=key_aval, assign=assign)
+        parted = chosen[-1]
+        graph = dataclasses.replace(
+            graph,
+            stages=tuple(
+                dataclasses.replace(stage, name=f"{stage.name} ({name})")
+                for stage, name in zip(graph.stages, parted.stage_names, strict=True)
+            ),
+        )
+        return _Partitioned(graph, parted.placement)
 
     @property
     def schedule_name(self) -> str:
-        spec = self.schedule_spec
+        return self._name_of(self.schedule_spec)
+
+    @staticmethod
+    def _name_of(spec: str | Schedule) -> str:
         return spec.name if isinstance(spec, Schedule) else spec
 
-    def _schedule(self, graph: StageGraph, programs: tuple[StageProgram, ...]) -> Schedule:
+    def _dag_placement(
+        self, graph: StageGraph, chosen: tuple[int, ...] | None, kind: str
+    ) -> tuple[int, ...]:
+        """Returns the device of each stage for a DAG schedule, or raises what to pass."""
+        count, devices = graph.num_stages, self.num_devices
+        placement = self.placement if self.placement is not None else chosen
+        if placement is None:
+            if count != devices:
+                raise ScheduleError(
+                    f"{self.schedule_name} needs the device of each stage: the {kind} "
+                    f"partition has {count} stages but axis {self.axis_name!r} has {devices} "
+                    f"devices; pass placement=(device of each stage, ...) with {count} entries "
+                    f"over devices 0..{devices - 1}, use partitioner='graph' (which places its "
+                    f"stages), or cut the model into exactly {devices} stages"
+                )
+            return tuple(range(count))
+        if len(placement) != count or sorted(set(placement)) != list(range(devices)):
+            source = "placement" if self.placement is not None else "GraphPipe's placement"
+            raise ScheduleError(
+                f"{source} {tuple(placement)} does not put the {count} stages of the {kind} "
+                f"partition on all {devices} devices of axis {self.axis_name!r} (0..{devices - 1}, "
+                "each used at least once); "
+                + (
+                    f"pass {count} device indices covering 0..{devices - 1}"
+                    if self.placement is not None
+                    else f"the model has too little parallel work for {devices} devices: use a "
+                    "smaller pp axis, more microbatches, or markers with a placement"
+                )
+            )
+        return tuple(placement)
+
+    def _schedule(
+        self,
+        graph: StageGraph,
+        programs: tuple[StageProgram, ...],
+        chosen_placement: tuple[int, ...] | None = None,
+        kind: str = "chain",
+    ) -> Schedule:
         spec = self.schedule_spec
         if isinstance(spec, Schedule):
             schedule = spec
+        elif spec in schedules.DAG_SCHEDULE_NAMES:
+            schedule = schedules.build(
+                spec,
+                graph.num_stages,
+                self.num_microbatches,
+                costs=self.costs or _program_costs(programs),
+                mem_limit=self.mem_limit,
+                w_mem=self.w_mem,
+                edges=list(graph.edge_pairs),
+                placement=self._dag_placement(graph, chosen_placement, kind),
+                stage_names=tuple(stage.name for stage in graph.stages),
+            )
         else:
             options = {}
             costs = self.costs
@@ -398,6 +562,29 @@ def _replicated(staged: StagedParams, mesh: Any) -> StagedParams:
     return jax.tree.map(lambda r: jax.reshard(r, sharding), staged)
 
 
+def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) -> list[str]:
+    """Returns report lines on the stage graph's edges, branches and placement (DAGs only)."""
+    pairs = graph.edge_pairs
+    if pairs == schedules.chain_edges(graph.num_stages):
+        return []
+    preds: dict[int, list[int]] = {}
+    succs: dict[int, list[int]] = {}
+    for a, b in pairs:
+        preds.setdefault(b, []).append(a)
+        succs.setdefault(a, []).append(b)
+    fan_in = [f"{s} <- {sorted(p)}" for s, p in sorted(preds.items()) if len(p) > 1]
+    fan_out = [f"{s} -> {sorted(d)}" for s, d in sorted(succs.items()) if len(d) > 1]
+    sources = [s for s in range(graph.num_stages) if s not in preds]
+    return [
+        "",
+        f"stage graph ({partitioner} partition): edges " + ", ".join(f"{a}->{b}" for a, b in pairs),
+        f"  sources (branches start): {sources}; fan-in: {', '.join(fan_in) or '-'}; "
+        f"fan-out: {', '.join(fan_out) or '-'}",
+        "  placement (stage -> device): "
+        + ", ".join(f"{s}->{d}" for s, d in enumerate(schedule.placement)),
+    ]
+
+
 def _program_costs(programs: tuple[StageProgram, ...]) -> Costs:
     """Returns per-stage F/B/W costs from the stage programs' estimates."""
     return Costs(
@@ -418,12 +605,33 @@ def pipeline(
     costs: Costs | None = None,
     mem_limit: float | None = None,
     w_mem: float = 0.5,
+    partitioner: str = "auto",
+    placement: Sequence[int] | None = None,
 ) -> Pipeline:
     """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
 
-    ``schedule`` is a name (``zbjax.schedules.SCHEDULE_NAMES``) or a prebuilt ``Schedule``;
-    ``costs``, ``mem_limit`` and ``w_mem`` go to ``schedules.build`` (zb-auto takes its costs
-    from the stage programs' estimates when ``costs`` is None).
+    ``schedule`` is a name (``zbjax.schedules.SCHEDULE_NAMES`` or, for graph pipelines,
+    ``DAG_SCHEDULE_NAMES``: ``"dag-1f1b"``, ``"dag-zb"``) or a prebuilt ``Schedule``;
+    ``costs``, ``mem_limit`` and ``w_mem`` go to ``schedules.build`` (zb-auto and the DAG
+    schedules take their costs from the stage programs' estimates when ``costs`` is None).
+
+    ``partitioner`` cuts the program into stages:
+
+    - ``"auto"`` (default): at the ``stage_boundary`` markers when ``loss_fn`` has any; else
+      ``"graph"`` for ``dag-1f1b``/``dag-zb`` by name (unless ``num_stages`` is given), else
+      ``"chain"``;
+    - ``"markers"``: at the markers (an error when there are none);
+    - ``"chain"``: ``num_stages`` contiguous stages balanced by the cost model (default: one per
+      device, two for zb-v and interleaved-1f1b); an error when ``loss_fn`` has markers;
+    - ``"graph"``: GraphPipe (``zbjax.graphpipe``) on the traced program: an operator graph
+      (``op_graph_from_jaxpr``), cut by ``graph_partition`` into a stage DAG with at most one
+      stage per pp device (parallel branches become parallel stages) minimising the predicted
+      step time; the stages run where its placement says. Ignores markers; the stage count is
+      its choice, so ``num_stages`` must be None.
+
+    ``placement`` (DAG schedules by name only) gives the device of each stage, e.g. to run a
+    marker graph with more stages than devices; without it, the stage count must equal the pp
+    axis size unless the graph partitioner placed the stages.
     """
     return Pipeline(
         loss_fn,
@@ -435,4 +643,6 @@ def pipeline(
         costs=costs,
         mem_limit=mem_limit,
         w_mem=w_mem,
+        partitioner=partitioner,
+        placement=placement,
     )
