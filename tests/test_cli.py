@@ -134,3 +134,41 @@ def test_console_script_exits_2_with_a_message_and_no_traceback():
     assert proc.returncode == 2
     assert "zb-h9" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_dag_schedule_from_edges_shows_named_branches(capsys):
+    report = run_json(
+        capsys,
+        "dag-zb",
+        "-p",
+        "4",
+        "-m",
+        "6",
+        "--edges",
+        "0-1,0-2,1-3,2-3",
+        "--stage-names",
+        "embed,text,image,head",
+    )
+    assert report["edges"] == [[0, 1], [0, 2], [1, 3], [2, 3]]
+    assert report["stage_names"] == ["embed", "text", "image", "head"]
+    assert report["placement"] == [0, 1, 2, 3]
+    assert 0 <= report["span_bubble_rate"] <= report["bubble_rate"] + 1e-12
+    assert main(["schedule", "dag-1f1b", "-p", "4", "-m", "4", "--edges", "0-1,0-2,1-3,2-3"]) == 0
+    grid = capsys.readouterr().out
+    assert "BW0" in grid and "span bubble" in grid
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["dag-zb", "-p", "4", "-m", "4"], "--edges"),
+        (["dag-zb", "-p", "3", "-m", "4", "--edges", "0-1,0-2,1-3,2-3"], "--placement"),
+        (["dag-zb", "-p", "4", "-m", "4", "--edges", "0>1"], "'0>1'"),
+        (["zb-h1", "-p", "4", "-m", "4", "--edges", "0-1"], "zb-h1"),
+        (["dag-zb", "-p", "2", "-m", "4", "--edges", "0-1", "--stage-names", "a"], "1 names"),
+    ],
+)
+def test_bad_dag_options_exit_2_naming_the_value(capsys, argv, needle):
+    assert main(["schedule", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -65,6 +65,8 @@ def default_num_stages(name: str, num_devices: int) -> int:
 
 def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
     """Returns the JSON-ready description of a simulated schedule that ``--json`` prints."""
+    from zbjax.schedules import span_bubble_rate
+
     return {
         "name": schedule.name,
         "num_stages": schedule.num_stages,
@@ -72,6 +74,7 @@ def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
         "num_microbatches": schedule.num_microbatches,
         "makespan": result.makespan,
         "bubble_rate": result.bubble_rate,
+        "span_bubble_rate": span_bubble_rate(schedule, result),
         "peak_memory": list(result.peak_memory),
         "busy": list(result.busy),
         "placement": list(schedule.placement),
@@ -82,6 +85,63 @@ def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
         "costs": {"f": costs.f, "b": costs.b, "w": costs.w, "comm": costs.comm},
         "actions": [[str(a) for a in program] for program in schedule.actions],
     }
+
+
+def parse_edges(text: str) -> tuple[tuple[int, int], ...]:
+    """Returns stage-graph edges from ``"0-1,0-2,1-3,2-3"`` (src-dst pairs)."""
+    edges = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        src, sep, dst = part.partition("-")
+        if not sep or not src.strip().isdigit() or not dst.strip().isdigit():
+            raise UsageError(
+                f"--edges {text!r}: {part!r} is not SRC-DST; give stage pairs like "
+                "--edges 0-1,0-2,1-3,2-3"
+            )
+        edges.append((int(src), int(dst)))
+    if not edges:
+        raise UsageError(f"--edges {text!r} names no edge; give pairs like --edges 0-1,1-2")
+    return tuple(edges)
+
+
+def parse_ints(flag: str, text: str) -> tuple[int, ...]:
+    """Returns the comma-separated non-negative integers of ``text`` (for ``flag``)."""
+    try:
+        values = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise UsageError(
+            f"{flag} {text!r}: give comma-separated integers, e.g. {flag} 0,1,2,3"
+        ) from None
+    if any(v < 0 for v in values):
+        raise UsageError(f"{flag} {text!r}: values must be >= 0")
+    return values
+
+
+def _dag_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Returns build() options for a DAG schedule from --edges/--placement/--stage-names."""
+    if args.edges is None:
+        if args.placement or args.stage_names:
+            raise UsageError("--placement and --stage-names go with --edges (a stage DAG)")
+        return {}
+    edges = parse_edges(args.edges)
+    num_stages = max(max(e) for e in edges) + 1
+    if args.placement:
+        placement = parse_ints("--placement", args.placement)
+    elif num_stages == args.p:
+        placement = tuple(range(num_stages))
+    else:
+        raise UsageError(
+            f"--edges name {num_stages} stages but -p is {args.p}; give --placement with the "
+            "device of each stage, or one stage per device"
+        )
+    options: dict[str, Any] = {"edges": edges, "placement": placement}
+    if args.stage_names:
+        names = tuple(n.strip() for n in args.stage_names.split(","))
+        if len(names) != len(placement):
+            raise UsageError(
+                f"--stage-names has {len(names)} names for {len(placement)} stages; give one each"
+            )
+        options["stage_names"] = names
+    return options
 
 
 def _check_positive(flag: str, value: int | None) -> None:
@@ -102,15 +162,32 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         raise UsageError(f"--w-mem {args.w_mem}: it must lie in [0, 1] (a fraction of M_B)")
     f, b, w, comm = parse_costs(args.costs) if args.costs else (1.0, 1.0, 1.0, 0.0)
     costs = schedules.Costs(f=f, b=b, w=w, comm=comm)
-    num_stages = args.stages if args.stages is not None else default_num_stages(args.name, args.p)
+    if args.edges is not None and args.name not in schedules.DAG_SCHEDULE_NAMES:
+        raise UsageError(
+            f"--edges goes with the DAG schedules {', '.join(schedules.DAG_SCHEDULE_NAMES)}, "
+            f"not {args.name}"
+        )
+    options = _dag_options(args)
+    if args.name in schedules.DAG_SCHEDULE_NAMES and not options:
+        raise UsageError(
+            f"{args.name} runs on a stage DAG: give --edges (e.g. --edges 0-1,0-2,1-3,2-3) "
+            "and optionally --placement and --stage-names"
+        )
+    if options:
+        num_stages = len(options["placement"])
+        num_devices = None
+    else:
+        num_stages = args.stages or default_num_stages(args.name, args.p)
+        num_devices = args.p
     schedule = schedules.build(
         args.name,
         num_stages,
         args.m,
-        num_devices=args.p,
+        num_devices=num_devices,
         costs=costs,
         mem_limit=args.mem_limit,
         w_mem=args.w_mem,
+        **options,
     )
     schedules.validate(schedule)
     result = schedules.simulate(schedule, costs)
@@ -135,7 +212,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     )
     print(text_grid(schedule, result))
     print(f"makespan     {result.makespan:g}")
-    print(f"bubble rate  {result.bubble_rate:.4f} ({result.bubble_rate:.1%})")
+    print(f"bubble rate  {result.bubble_rate:.4f} ({result.bubble_rate:.1%}) of one step")
+    span_rate = schedules.span_bubble_rate(schedule, result)
+    print(f"span bubble  {span_rate:.4f} ({span_rate:.1%}) of back-to-back steps (the paper's)")
     peaks = " ".join(f"{m:g}" for m in result.peak_memory)
     print(f"peak memory  {peaks}  (M_B per device, w_mem={schedule.w_mem:g})")
     for flag, path in (("gantt chart", args.plot), ("trace", args.trace)):
@@ -174,6 +253,18 @@ def _add_schedule_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--w-mem", type=float, default=0.5, help="part of M_B that W keeps after B (default 0.5)"
+    )
+    parser.add_argument(
+        "--edges",
+        default=None,
+        metavar="S-D,...",
+        help="stage DAG edges for dag-1f1b/dag-zb, e.g. 0-1,0-2,1-3,2-3",
+    )
+    parser.add_argument(
+        "--placement", default=None, metavar="D,...", help="device of each DAG stage"
+    )
+    parser.add_argument(
+        "--stage-names", default=None, metavar="NAME,...", help="a name for each DAG stage"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart PNG")
