@@ -138,21 +138,27 @@ def test_branch_model_pipelined_over_its_marker_stage_dag_equals_value_and_grad(
     assert set(built.edges) == set(graph.edge_pairs)
     assert built.placement == tuple(range(num_devices))
     assert built.stage_names == tuple(stage.name for stage in graph.stages)
+    assert pipe.partitioner_used == "markers"
     kinds = {action.kind for device in built.actions for action in device}
     assert kinds == ({"F", "BW"} if schedule == "dag-1f1b" else {"F", "B", "W"})
 
 
-@pytest.mark.parametrize("num_devices, schedule", [(8, "dag-zb"), (4, "dag-1f1b"), (4, "dag-zb")])
+@pytest.mark.parametrize(
+    "num_devices, schedule, partitioner",
+    [(8, "dag-zb", "graph"), (4, "dag-1f1b", "graph"), (4, "dag-zb", "auto")],
+)
 def test_graph_partitioner_cuts_the_unmarked_four_branch_model_into_a_fan_in_dag(
-    references, num_devices, schedule
+    references, num_devices, schedule, partitioner
 ):
+    """GraphPipe's partition pipelines equal to jax.value_and_grad; "auto" picks it for a DAG
+    schedule by name when the model has no markers."""
     loss_fn, params, batch, reference = references["multimodal-4-unmarked"]
     pipe = zbjax.pipeline(
         loss_fn,
         mesh=_mesh(num_devices),
         schedule=schedule,
         num_microbatches=NUM_MICROBATCHES,
-        partitioner="graph",
+        partitioner=partitioner,
     )
     _assert_equal_to_reference(pipe.value_and_grad(params, batch), reference)
     graph = pipe.graph
@@ -163,6 +169,7 @@ def test_graph_partitioner_cuts_the_unmarked_four_branch_model_into_a_fan_in_dag
     assert graph.loss_stage in fan_in
     assert sorted(set(pipe.schedule.placement)) == list(range(num_devices))
     assert set(pipe.schedule.edges) == set(graph.edge_pairs)
+    assert pipe.partitioner_used == "graph"
     # A stage before the fusion reads the params of one branch only: branches are not mixed.
     paths = [p[0].key for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for stage in graph.stages:
@@ -311,3 +318,50 @@ def test_bad_partitioner_options_raise_errors_that_name_the_fix(diamond):
     )
     with pytest.raises(ScheduleError, match=r"placement \(0, 1, 2, 2\) does not put"):
         misplaced.lower(params, batch)
+
+
+# ----------------------------------------------------------------------------- partition(assign=)
+
+
+def _diamond_avals():
+    params = {
+        k: jax.ShapeDtypeStruct((WIDTH, 1 if k == "d" else WIDTH), jnp.float32) for k in "abcd"
+    }
+    batch = {
+        "x": jax.ShapeDtypeStruct((2, WIDTH), jnp.float32),
+        "y": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
+    return params, batch
+
+
+def test_assign_hook_receives_the_flat_program_and_its_stages_build_the_graph():
+    params, batch = _diamond_avals()
+    seen = []
+
+    def count_markers(program, num_params):
+        # Stage of an equation = markers up to and including it: the marker rule, by hand.
+        seen.append(num_params)
+        marks = np.cumsum([e.primitive.name == "stage_boundary" for e in program.jaxpr.eqns])
+        return [int(k) for k in marks]
+
+    assigned = zbjax.partition(_diamond_loss, params, batch, assign=count_markers)
+    marked = zbjax.partition(_diamond_loss, params, batch)
+    assert seen == [4]
+    assert assigned.edge_pairs == marked.edge_pairs == ((0, 1), (0, 2), (1, 3), (2, 3))
+    assert [s.param_leaves for s in assigned.stages] == [s.param_leaves for s in marked.stages]
+
+
+def test_assign_hook_results_that_are_not_a_topological_stage_numbering_are_refused():
+    params, batch = _diamond_avals()
+
+    def assign(make):
+        return lambda program, _: make(len(program.jaxpr.eqns))
+
+    cases = [
+        (lambda n: [0] * (n - 1), "one stage per equation"),
+        (lambda n: [0] * (n - 1) + [2], "no gaps"),
+        (lambda n: list(reversed(range(n))), "may only flow to its own or a later stage"),
+    ]
+    for make, message in cases:
+        with pytest.raises(zbjax.PartitionError, match=message):
+            zbjax.partition(_diamond_loss, params, batch, assign=assign(make))

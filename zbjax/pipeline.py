@@ -202,6 +202,15 @@ class Pipeline:
         return self._require_built("programs").programs
 
     @property
+    def partitioner_used(self) -> str:
+        """Returns the partitioner that made the latest build's stages.
+
+        One of "markers", "chain", "graph"; or "auto" when ``num_stages`` was given with the
+        default partitioner (then markers cut when there are any, else a chain of that many).
+        """
+        return self._require_built("partitioner_used").partitioner
+
+    @property
     def schedule(self) -> Schedule:
         """Returns the schedule the latest build runs."""
         return self._require_built("schedule").schedule
