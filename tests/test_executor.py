@@ -32,8 +32,9 @@ def unmarked_model(name):
         cfg = mlp.MLPConfig(in_dim=8, width=16, depth=4, out_dim=4)
         module = mlp
     else:
-        module = {"gpt": gpt, "gpt_nnx": gpt_nnx, "gpt_scan": gpt_scan}[name]
-        cfg = module.GPTConfig(num_layers=4, **GPT_SIZES)
+        # "gpt_scan8": the scan GPT with 8 layers, enough scan iterations for 8 stages.
+        module = {"gpt": gpt, "gpt_nnx": gpt_nnx, "gpt_scan": gpt_scan, "gpt_scan8": gpt_scan}[name]
+        cfg = module.GPTConfig(num_layers=8 if name == "gpt_scan8" else 4, **GPT_SIZES)
     params = jax.jit(module.init_params, static_argnums=1)(jax.random.key(0), cfg)
     make_batch = jax.jit(
         module.make_batch if module is mlp else gpt.make_batch, static_argnums=(1, 2)
@@ -86,9 +87,11 @@ CASES = [
     ("gpt", 8),
     ("gpt_nnx:markers", None),
     ("gpt_nnx", 2),
+    ("gpt_nnx", 4),
     ("gpt_nnx", 8),
     ("gpt_scan", 2),
-    ("gpt_scan", 4),  # 4 layers in one scan: 8 stages would cut mostly outside the scan
+    ("gpt_scan", 4),
+    ("gpt_scan8", 8),  # 8 stages need more than the 4 scan iterations of the default
 ]
 
 
