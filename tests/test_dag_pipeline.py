@@ -318,6 +318,9 @@ def test_bad_partitioner_options_raise_errors_that_name_the_fix(diamond):
     )
     with pytest.raises(ScheduleError, match=r"placement \(0, 1, 2, 2\) does not put"):
         misplaced.lower(params, batch)
+    too_wide = zbjax.pipeline(_diamond_loss, mesh=_mesh(8), schedule="dag-1f1b", num_microbatches=2)
+    with pytest.raises(ScheduleError, match="4 stages, fewer than the 8 devices"):
+        too_wide.lower(params, batch)
 
 
 # ----------------------------------------------------------------------------- partition(assign=)

@@ -442,7 +442,14 @@ class Pipeline:
         count, devices = graph.num_stages, self.num_devices
         placement = self.placement if self.placement is not None else chosen
         if placement is None:
-            if count != devices:
+            if count < devices:
+                raise ScheduleError(
+                    f"{self.schedule_name}: the {kind} partition has {count} stages, fewer "
+                    f"than the {devices} devices of axis {self.axis_name!r}, and every device "
+                    f"needs a stage; use a pp axis of {count} devices, cut the model into "
+                    f"{devices} stages (more markers), or use partitioner='graph'"
+                )
+            if count > devices:
                 raise ScheduleError(
                     f"{self.schedule_name} needs the device of each stage: the {kind} "
                     f"partition has {count} stages but axis {self.axis_name!r} has {devices} "
