@@ -274,3 +274,15 @@ def test_params_not_matching_the_traced_structure_show_expected_and_given(mlp_se
     wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] + 1,) + x.shape[1:]), params)
     with pytest.raises(zbjax.PipelineError, match="expected shapes.*\n.*given shapes"):
         pipe.value_and_grad(wrong, batch)
+
+
+def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    with pytest.raises(zbjax.PipelineError, match=r"pipe.stage\(params, batch\)"):
+        pipe.stage(params)
+    staged = pipe.stage(params, batch)
+    assert isinstance(staged, zbjax.StagedParams)
+    unstaged = jax.tree.leaves(pipe.unstage(staged))
+    for got, want in zip(unstaged, jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -176,8 +176,15 @@ class Pipeline:
         built = self._get(params, batch, key)
         return built.step.lower(params, batch, key)
 
-    def stage(self, params: Any) -> StagedParams:
-        """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``."""
+    def stage(self, params: Any, batch: Any = None, key: jax.Array | None = None) -> StagedParams:
+        """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``.
+
+        The layout comes from the traced program. Before the first ``value_and_grad`` call,
+        pass an example ``batch`` (and ``key``, if ``loss_fn`` takes one) so the pipeline can be
+        built from its shapes; nothing is compiled.
+        """
+        if self._last is None and batch is not None:
+            self._get(params, batch, key)
         built = self._require_built("stage")
         leaves = self._check_params(params)
         staged = stage_leaves(built.lowering.layout, leaves)
@@ -263,7 +270,8 @@ class Pipeline:
         if self._last is None:
             raise PipelineError(
                 f"pipe.{what}() needs the traced program, which is built on the first call; "
-                "call pipe.value_and_grad(params, batch) (or pipe.lower(params, batch)) first"
+                "call pipe.value_and_grad(params, batch) first, or pass an example batch: "
+                "pipe.stage(params, batch)"
             )
         return self._last
 
