@@ -141,8 +141,7 @@ def measure(
     lowering = lower(graph, programs, schedule, mesh, AXIS)
     peak_units, peak_bytes = predicted_peak(schedule, programs)
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, axis_name=AXIS, schedule=schedule, num_microbatches=m)
-    pipe.lower(params, batch)  # builds the pipeline, so that params can be staged
-    staged = pipe.stage(params)
+    staged = pipe.stage(params, batch)  # builds from the batch's shapes; nothing compiled
     analysis = pipe.lower(staged, batch).compile().memory_analysis()
     slot_bytes = lowering.slot_bytes()[0]
     slots = lowering.tables.num_residual_slots

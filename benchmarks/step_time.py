@@ -290,8 +290,7 @@ def pipeline_step(
         schedule=schedule,
         num_microbatches=schedule.num_microbatches,
     )
-    pipe.lower(params, batch)  # builds (traces, no compile); staging needs the built layout
-    staged = pipe.stage(params)
+    staged = pipe.stage(params, batch)  # builds from the batch's shapes; nothing compiled
     return lambda: pipe.value_and_grad(staged, batch)
 
 
