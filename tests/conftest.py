@@ -1,5 +1,5 @@
 """Gives every test 8 fake CPU devices; runs before any JAX computation."""
 
-import jax
+from zbjax.cpu import use_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", 8)
+use_cpu_devices(8)

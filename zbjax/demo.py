@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from zbjax import schedules
+from zbjax.cpu import use_cpu_devices
 from zbjax.data import CharTokenizer, batch_at, synthetic_text
 from zbjax.errors import PipelineError
 from zbjax.pipeline import TWO_STAGES_PER_DEVICE
@@ -156,11 +157,7 @@ def request_cpu_devices(num_devices: int | None) -> bool:
     returns False, leaving the devices as they are. It changes only the CPU backend, so it is
     harmless where accelerators are present.
     """
-    try:
-        jax.config.update("jax_num_cpu_devices", max(CPU_DEVICES, num_devices or 0))
-    except RuntimeError:  # the backend is already running
-        return False
-    return True
+    return use_cpu_devices(max(CPU_DEVICES, num_devices or 0))
 
 
 def _check_config(config: DemoConfig) -> None:
