@@ -1,13 +1,9 @@
 """The full graph-pipeline grid: 4 branch models x {4, 8} devices x {dag-1f1b, dag-zb}.
 
-16 compiled DAG pipelines (several 8-stage transformer programs) take longer than the CI budget
-allows on 2 cores, so CI runs the subset in test_dag_pipeline.py and this file runs when
-ZBJAX_FULL_MATRIX=1: ``ZBJAX_FULL_MATRIX=1 python -m pytest -n 2 tests/test_dag_matrix.py``.
 Every configuration makes one stage per device with a fan-in (checked below).
 """
 
 import functools
-import os
 
 import jax
 import numpy as np
@@ -15,11 +11,6 @@ import pytest
 
 import zbjax
 from models import dlrm, multimodal, two_tower
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("ZBJAX_FULL_MATRIX") != "1",
-    reason="the full DAG grid takes ~10 min; set ZBJAX_FULL_MATRIX=1 to run it",
-)
 
 MM = multimodal.MultiModalConfig
 # (model, devices) -> (module, config, partitioner): markers where the model's options give

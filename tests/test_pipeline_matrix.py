@@ -1,12 +1,10 @@
 """The full acceptance grid: every schedule x every reference model x p in {2, 4} x m in {p, 2p}.
 
-112 compiled pipelines take longer than the CI budget allows on 2 cores, so CI runs the
-representative subset in test_pipeline.py and this file runs when ZBJAX_FULL_MATRIX=1:
-``ZBJAX_FULL_MATRIX=1 python -m pytest -n 2 tests/test_pipeline_matrix.py``.
+112 compiled pipelines, about 5 minutes of the suite on 2 cores; test_pipeline.py covers
+p = 8, data parallelism, keys, layouts, memory and errors.
 """
 
 import functools
-import os
 
 import jax
 import numpy as np
@@ -14,11 +12,6 @@ import pytest
 
 import zbjax
 from models import gpt, gpt_nnx, gpt_scan, mlp
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("ZBJAX_FULL_MATRIX") != "1",
-    reason="the full grid takes ~15 min; set ZBJAX_FULL_MATRIX=1 to run it",
-)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
 MODELS = ("mlp", "gpt", "gpt_nnx", "gpt_scan")
