@@ -240,7 +240,6 @@ def test_bad_requests_raise_schedule_error_naming_the_value(kwargs, words):
 
 
 def test_zb_auto_is_built_validated_and_records_its_limit():
-    pytest.importorskip("zbjax.schedules.auto")
     costs = Costs(f=1.0, b=1.0, w=1.0, comm=0.0)
     s = build("zb-auto", 4, 8, costs=costs, mem_limit=4.0, w_mem=0.5)
     assert s.mem_limit == 4.0 and s.num_devices == 4
