@@ -367,7 +367,12 @@ def _make_branch(low: Lowering, kind: int, stage_index: int):
 
         return place_sends(sends, values_of_edge)
 
-    def branch(param_rows, batch_mb, residual, messages):
+    def branch(param_rows, batch_mb, residual_buf, res_read, messages):
+        # The slot is read here, by the branches that need it, so F and idle ticks copy
+        # nothing out of the residual pool.
+        def read_slot():
+            return [jax.lax.dynamic_index_in_dim(b, res_read, keepdims=False) for b in residual_buf]
+
         with jax.named_scope(name):
             sends, res_out, grads, offsets, loss = zeros_outputs()
             if kind == FORWARD:
@@ -387,7 +392,7 @@ def _make_branch(low: Lowering, kind: int, stage_index: int):
                 ]
                 res_out = pack(residual_packing, stored, res_cap)
             elif kind in (BACKWARD_INPUT, BACKWARD):
-                stored = unpack(residual_packing, residual)
+                stored = unpack(residual_packing, read_slot())
                 resident = {
                     "slot": stored,
                     "param": unpack_stage_params(layout, stage_index, param_rows)
@@ -406,7 +411,7 @@ def _make_branch(low: Lowering, kind: int, stage_index: int):
                     grads = _stage_gradients(layout, stage_index, rest)
                     offsets = [jnp.asarray(o, jnp.int32) for o in layout.stage_offset[stage_index]]
             else:  # BACKWARD_WEIGHT
-                stash = unpack(stash_packing, residual)
+                stash = unpack(stash_packing, read_slot())
                 param_cts = jaxpr_as_fun(program.backward_weight)(*stash)
                 grads = _stage_gradients(layout, stage_index, param_cts)
                 offsets = [jnp.asarray(o, jnp.int32) for o in layout.stage_offset[stage_index]]
@@ -478,16 +483,13 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
         def tick(carry, x):
             residual_buf, message_buf, grad_acc, loss_sum = carry
             branch, micro, res_read, res_write, msg_read, msg_write = x
-            residual = [
-                jax.lax.dynamic_index_in_dim(b, res_read, keepdims=False) for b in residual_buf
-            ]
             messages = [
                 [jax.lax.dynamic_index_in_dim(b, msg_read[j], keepdims=False) for b in message_buf]
                 for j in range(msg_read.shape[0])
             ]
             batch_mb = [jax.lax.dynamic_index_in_dim(b, micro, keepdims=False) for b in batch]
             sends, res_out, grads, offsets, loss = jax.lax.switch(
-                branch, branches, rows, batch_mb, residual, messages
+                branch, branches, rows, batch_mb, residual_buf, res_read, messages
             )
             residual_buf = [
                 jax.lax.dynamic_update_index_in_dim(b, v, res_write, 0)
