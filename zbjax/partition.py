@@ -33,6 +33,7 @@ Stage assignment:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def partition(
     batch = microbatch if key is None else (microbatch, key)
     param_avals, params_treedef = _flat_avals(params)
     batch_avals, batch_treedef = _flat_avals(batch)
-    program = _trace(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key)
+    program = _traced(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key)
     eqns = list(program.jaxpr.eqns)
     markers = [i for i, eqn in enumerate(eqns) if is_stage_boundary(eqn)]
     if assign is not None:
@@ -161,6 +162,41 @@ def _flat_avals(tree: Any) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
         for x in leaves
     )
     return avals, treedef
+
+
+def _traced(
+    loss_fn: Callable[..., Any],
+    params_treedef: Any,
+    batch_treedef: Any,
+    param_avals: Sequence[jax.ShapeDtypeStruct],
+    batch_avals: Sequence[jax.ShapeDtypeStruct],
+    key: Any,
+) -> _Program:
+    """Returns ``_trace``'s program, traced once per (loss_fn, shapes) for repeated cuts.
+
+    The pipeline first asks whether the program has markers and then cuts it (by cost or by
+    GraphPipe); both calls read the same trace. The traced program is never mutated.
+    """
+    args = (loss_fn, params_treedef, batch_treedef, tuple(param_avals), tuple(batch_avals))
+    try:
+        hash(args)
+    except TypeError:  # an unhashable loss_fn: trace without the cache
+        return _trace(*args, key)
+    return _trace_cached(*args, key is not None)
+
+
+@functools.lru_cache(maxsize=4)
+def _trace_cached(
+    loss_fn: Callable[..., Any],
+    params_treedef: Any,
+    batch_treedef: Any,
+    param_avals: tuple[jax.ShapeDtypeStruct, ...],
+    batch_avals: tuple[jax.ShapeDtypeStruct, ...],
+    has_key: bool,
+) -> _Program:
+    return _trace(
+        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, True if has_key else None
+    )
 
 
 def _trace(
