@@ -8,7 +8,7 @@ in your own section.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -111,7 +111,13 @@ def inline_calls(closed: ClosedJaxpr, *, inline_remat: bool = True) -> ClosedJax
     return jax.make_jaxpr(run)(*avals)
 
 
-def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], remat: bool) -> list:
+def _interpret(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    eval_equation: Callable[[Any, list[Any]], Sequence[Any]],
+) -> list[Any]:
+    """Returns ``jaxpr``'s outputs, each equation evaluated by ``eval_equation(eqn, invals)``."""
     env: dict[Var, Any] = {}
 
     def read(atom: Any) -> Any:
@@ -122,25 +128,29 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], rema
     for var, val in zip(jaxpr.invars, args, strict=True):
         env[var] = val
     for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name in CALL_PRIMITIVES or (remat and name in REMAT_PRIMITIVES):
-            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if isinstance(body, ClosedJaxpr):
-                outs = _eval_inlined(body.jaxpr, body.consts, invals, remat)
-            else:
-                outs = _eval_inlined(body, (), invals, remat)
-        elif name == "scan":
-            params = dict(eqn.params, jaxpr=inline_calls(eqn.params["jaxpr"], inline_remat=remat))
-            outs = eqn.primitive.bind(*invals, **params)
-        else:
-            outs = _bind_like(eqn, invals)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
+        outs = eval_equation(eqn, [read(v) for v in eqn.invars])
         for var, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, DropVar):
                 env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], remat: bool) -> list:
+    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+        name = eqn.primitive.name
+        if name in CALL_PRIMITIVES or (remat and name in REMAT_PRIMITIVES):
+            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if isinstance(body, ClosedJaxpr):
+                return _eval_inlined(body.jaxpr, body.consts, invals, remat)
+            return _eval_inlined(body, (), invals, remat)
+        if name == "scan":
+            params = dict(eqn.params, jaxpr=inline_calls(eqn.params["jaxpr"], inline_remat=remat))
+            outs = eqn.primitive.bind(*invals, **params)
+        else:
+            outs = _bind_like(eqn, invals)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    return _interpret(jaxpr, consts, args, eval_equation)
 
 
 def _bind_like(eqn: Any, invals: Sequence[Any]) -> Any:
@@ -180,34 +190,20 @@ def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
 
 
 def _eval_retraced(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict[Var, Any] = {}
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
-    for var, val in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args, strict=True):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
         rule = _RETRACE_RULES.get(eqn.primitive.name)
         if rule is not None:
-            outs = rule(eqn.params, invals)
-        elif eqn.primitive.name in CALL_PRIMITIVES | REMAT_PRIMITIVES | _CUSTOM_CALLS:
+            return rule(eqn.params, invals)
+        if eqn.primitive.name in CALL_PRIMITIVES | REMAT_PRIMITIVES | _CUSTOM_CALLS:
             body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            outs = _eval_body(body, invals)
-        else:
-            if eqn.primitive.name not in _COLLECTIVES:
-                # What lax's wrappers do before binding: operands of one op vary alike.
-                invals = _cast_varying(invals, _varying_axes(invals))
-            outs = _bind_like(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, DropVar):
-                env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+            return _eval_body(body, invals)
+        if eqn.primitive.name not in _COLLECTIVES:
+            # What lax's wrappers do before binding: operands of one op vary alike.
+            invals = _cast_varying(invals, _varying_axes(invals))
+        outs = _bind_like(eqn, invals)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    return _interpret(jaxpr, consts, args, eval_equation)
 
 
 # Primitives whose typing rule relates input and output variance themselves.
