@@ -75,6 +75,7 @@ class Row:
     predicted_bytes: float  # peak_units x that device's stage activation_bytes
     ring_bytes: int  # residual ring buffer the lowering allocates per device
     ring_slots: int
+    stash_slots: int
 
 
 def gpt_config(model: Model, num_stages: int) -> gpt.GPTConfig:
@@ -143,8 +144,9 @@ def measure(
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, axis_name=AXIS, schedule=schedule, num_microbatches=m)
     staged = pipe.stage(params, batch)  # builds from the batch's shapes; nothing compiled
     analysis = pipe.lower(staged, batch).compile().memory_analysis()
-    slot_bytes = lowering.slot_bytes()[0]
+    residual_bytes, stash_bytes, _ = lowering.slot_bytes()
     slots = lowering.tables.num_residual_slots
+    stash_slots = lowering.tables.num_stash_slots
     return Row(
         name,
         m,
@@ -153,8 +155,9 @@ def measure(
         int(analysis.temp_size_in_bytes),
         peak_units,
         peak_bytes,
-        (slots + 1) * slot_bytes,  # + 1: the spare slot that absorbs idle writes
+        slots * residual_bytes + stash_slots * stash_bytes,
         slots,
+        stash_slots,
     )
 
 
@@ -175,15 +178,15 @@ def table(rows: Sequence[Row]) -> str:
     """Returns the markdown table (kB per device)."""
     lines = [
         "| schedule | m | staged params (kB) | arguments (kB) | temp (kB) | predicted peak "
-        "(M_B) | predicted activations (kB) | residual ring buffer (kB, slots) | temp − ring "
-        "(kB) |",
+        "(M_B) | predicted activations (kB) | ring buffers (kB, residual + stash slots) "
+        "| temp − ring (kB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.name} | {r.m} | {r.param_bytes / 1e3:.0f} | {r.argument_bytes / 1e3:.0f} | "
             f"{r.temp_bytes / 1e3:.0f} | {r.peak_units:.3g} | {r.predicted_bytes / 1e3:.0f} | "
-            f"{r.ring_bytes / 1e3:.0f} ({r.ring_slots}) | "
+            f"{r.ring_bytes / 1e3:.0f} ({r.ring_slots} + {r.stash_slots}) | "
             f"{(r.temp_bytes - r.ring_bytes) / 1e3:.0f} |"
         )
     return "\n".join(lines)
@@ -201,7 +204,8 @@ def growth(rows: Sequence[Row]) -> str:
         parts.append(
             f"{name} {(last.temp_bytes - first.temp_bytes) / 1e6:+.1f} MB temp "
             f"(predicted {(last.predicted_bytes - first.predicted_bytes) / 1e6:+.1f} MB, "
-            f"ring slots {first.ring_slots} → {last.ring_slots})"
+            f"slots {first.ring_slots} + {first.stash_slots} → "
+            f"{last.ring_slots} + {last.stash_slots})"
         )
     return "; ".join(parts)
 
@@ -271,17 +275,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gradient accumulators, the stage programs' scratch); *predicted peak* = "
         "`max(simulate(schedule).peak_memory)` in M_B (F adds 1, B frees 1 − w_mem, W frees "
         "w_mem = 0.5); *predicted activations* = that times the device's stage "
-        "`activation_bytes`; *ring buffer* = (residual slots + 1 spare) × slot bytes, the "
-        "slot sized max(residuals, stash) of the largest stage, slots counted in lockstep.",
+        "`activation_bytes`; *ring buffers* = residual slots × residual slot bytes + stash "
+        "slots × stash slot bytes: a residual slot holds what F stores for B (the largest "
+        "stage's), from F until B, or until W when W reads residuals too; a stash slot holds "
+        "what B computes for W, from B until W; slots are counted in lockstep.",
         "",
         table(rows),
         "",
         f"From m = {min(args.microbatches)} to m = {max(args.microbatches)}: {growth(rows)}.",
-        "The ring buffer can hold more slots than the predicted peak in M_B for two reasons: "
-        "a slot stays taken whole from F until W (the simulator counts only w_mem = 0.5 M_B "
-        "after B), and the lockstep tick loop can keep more microbatches in flight than the "
-        "event-driven simulation. *temp − ring* is what the compiled program holds besides the "
-        "residual slots (messages, gradient accumulators, batch slices, scratch).",
+        "The ring buffers can hold more than the predicted peak in M_B for two reasons: a "
+        "residual slot stays taken whole until W when W reads some residuals (the simulator "
+        "counts only w_mem = 0.5 M_B after B), and the lockstep tick loop can keep more "
+        "microbatches in flight than the event-driven simulation. *temp − ring* is what the "
+        "compiled program holds besides the slots (messages, gradient accumulators, batch "
+        "slices, scratch).",
         "",
     ]
     if errors:

@@ -1,18 +1,23 @@
 """Lowering: a schedule and its stage programs become ONE ``shard_map`` program over the pp axis.
 
 The program is a ``lax.scan`` over the ticks of ``zbjax.ticks.tick_tables``. Each tick, every
-device reads what its action needs from its slot pools (a residual/stash slot, message slots
-with received activations or cotangents, the microbatch's batch leaves), runs a ``lax.switch``
-over (kind, stage) branches, and then writes back after the switch: residuals or W's stash
-into a residual slot, W's parameter gradient into the running staged gradient, the loss into
-the running loss sum. Finally the messages the action sends move with one ``ppermute`` per
-distinct device shift (one flat operand per dtype) and are stored into message slots of the
-receiving device as the tables say. Branches never return the big buffers (XLA would copy
-them every tick); they return small payloads only.
+device runs at most one action (F, B, W or BW of one stage). The actions are a sequence of
+two-way ``lax.cond``s, one per (kind, stage), of which the tick's action code selects one; an
+action reads and updates the device's buffers in place: F writes its residuals into a residual
+slot, B reads them and writes what W needs into a stash slot, W and BW add their weight
+gradients into the device's gradient row, and F, B and BW put the messages they send into
+the tick's send payloads. Then every payload moves with one ``ppermute`` per distinct device
+shift (one flat operand per dtype) and is stored into message slots of the receiving device
+as the tables say. Collectives stay outside the conditionals.
 
-All slot contents are flat per-dtype vectors; ``Packing`` says where each value sits in them.
-The shard_map is manual over the pipeline axis only, so other mesh axes (data or tensor
-parallel) stay with the compiler.
+Why two-way conds and separate pools: with one multi-way ``lax.switch``, or with a branch that
+reads and writes the same buffer, XLA copies the whole buffer (every slot) on every tick; a
+two-way cond per action whose branches read one pool and write another keeps every buffer in
+place, so a tick costs what its action reads and writes.
+
+All slot contents are flat per-dtype vectors; ``Packing`` and ``SlotLayout`` say where each
+value sits in them. The shard_map is manual over every mesh axis; the axes other than the
+pipeline axis are data parallel (rows split, gradients averaged).
 """
 
 from __future__ import annotations
@@ -33,12 +38,11 @@ from zbjax.params import (
     StagedLayout,
     StagedParams,
     dtype_name,
-    pack_stage_gradients,
     staged_layout,
     unpack_stage_params,
 )
 from zbjax.schedules.ir import Schedule
-from zbjax.split import forwarded_residuals
+from zbjax.split import forwarded_residuals, forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.ticks import (
     BACKWARD,
@@ -139,6 +143,79 @@ def _edge_flags(graph: StageGraph, stage, edge_index: int, output: bool) -> list
 
 
 @dataclass(frozen=True)
+class SlotLayout:
+    """Where one stage's values sit in the device's residual and stash slots.
+
+    Sources name where a value is found: ("residual", (k, offset, shape)) in a residual slot,
+    ("stash", (k, offset, shape)) in a stash slot (``k`` indexes the lowering's slot dtypes,
+    offsets are into the slot's flat vector of that dtype), or ("param", j) / ("batch", j) for
+    values that merely forward the stage's ``j``-th param or batch leaf. ``residuals[i]`` is
+    where B (or BW) finds residual ``i``; ``stash[i]`` where W finds stash value ``i``: W reads
+    a stored residual in the residual slot when ``slot_layout`` keeps that slot until W, else B
+    copies it into the stash slot. ``residual_sizes``/``stash_sizes`` are the elements used
+    per dtype.
+    """
+
+    residuals: tuple[tuple[str, Any], ...]
+    stash: tuple[tuple[str, Any], ...]
+    residual_sizes: tuple[int, ...]
+    stash_sizes: tuple[int, ...]
+
+    @property
+    def weight_reads_residuals(self) -> bool:
+        """Returns whether W reads values from the residual slot."""
+        return any(where == "residual" for where, _ in self.stash)
+
+
+#: B copies the stored residuals W reads into W's stash unless at most this share of the
+#: residual slot would be held for nothing until W; below it W reads them in the residual slot.
+FORWARD_WASTE_LIMIT = 0.1
+
+
+def slot_layout(program: StageProgram, dtypes: Sequence[str] | None = None) -> SlotLayout:
+    """Returns ``program``'s slot layout over per-dtype vectors of ``dtypes`` (by default the
+    dtypes of its own residuals and stash).
+
+    W's stash values that are residuals can be read where F stored them, which saves B a copy
+    but keeps the whole residual slot until W. That is done when W reads nearly all of the slot
+    anyway (a first stage, whose B has no input cotangent to compute, needs every residual in
+    W); otherwise B copies them into the stash slot and the residual slot is free after B, as
+    the Zero Bubble memory model (M_B freed at B, M_W kept until W) has it.
+    """
+    if dtypes is None:
+        dtypes = _union_dtypes([*stored_residual_avals(program), *program.stash_avals])
+    dtypes = tuple(dtypes)
+    sources = residual_sources(program)
+    stored_avals = stored_residual_avals(program)
+    stored = packing(stored_avals, dtypes)
+    residuals = tuple(
+        ("residual", stored.items[j]) if where == "slot" else (where, j) for where, j in sources
+    )
+    forwarded = forwarded_stash(program)
+    read_in_slot = {sources[f][1] for f in forwarded if f is not None and sources[f][0] == "slot"}
+    slot_bytes = sum(_nbytes(a) for a in stored_avals)
+    unread = sum(_nbytes(a) for j, a in enumerate(stored_avals) if j not in read_in_slot)
+    keep = unread <= FORWARD_WASTE_LIMIT * slot_bytes
+    # Stash values W finds elsewhere: in the residual slot (if kept), a param or a batch leaf.
+    elsewhere = [f is not None and (keep or residuals[f][0] != "residual") for f in forwarded]
+    new_avals = [a for a, e in zip(program.stash_avals, elsewhere, strict=True) if not e]
+    written = iter(packing(new_avals, dtypes).items)
+    stash = tuple(
+        residuals[f] if e else ("stash", next(written))
+        for f, e in zip(forwarded, elsewhere, strict=True)
+    )
+    return SlotLayout(residuals, stash, stored.sizes, packing(new_avals, dtypes).sizes)
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _slot_bytes(dtypes: Sequence[str], capacity: Sequence[int]) -> int:
+    return sum(n * np.dtype(d).itemsize for d, n in zip(dtypes, capacity, strict=True))
+
+
+@dataclass(frozen=True)
 class Lowering:
     """Everything the lowered step needs, computed once from graph, programs and schedule.
 
@@ -157,22 +234,20 @@ class Lowering:
     layout: StagedLayout
     mesh: Any
     axis_name: str
-    residual_dtypes: tuple[str, ...]
+    slot_dtypes: tuple[str, ...]
+    slot_layouts: tuple[SlotLayout, ...]
     residual_capacity: tuple[int, ...]
+    stash_capacity: tuple[int, ...]
     message_dtypes: tuple[str, ...]
     message_capacity: tuple[int, ...]
 
-    def slot_bytes(self) -> tuple[int, int]:
-        """Returns the bytes of one residual slot and of one message slot."""
-        res = sum(
-            n * np.dtype(d).itemsize
-            for d, n in zip(self.residual_dtypes, self.residual_capacity, strict=True)
+    def slot_bytes(self) -> tuple[int, int, int]:
+        """Returns the bytes of one residual slot, one stash slot and one message slot."""
+        return (
+            _slot_bytes(self.slot_dtypes, self.residual_capacity),
+            _slot_bytes(self.slot_dtypes, self.stash_capacity),
+            _slot_bytes(self.message_dtypes, self.message_capacity),
         )
-        msg = sum(
-            n * np.dtype(d).itemsize
-            for d, n in zip(self.message_dtypes, self.message_capacity, strict=True)
-        )
-        return res, msg
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -209,20 +284,27 @@ def lower(
         # A skip edge i -> j (i < j) of the graph is implied by a chain schedule's order;
         # adding it lets the tick tables route its messages.
         schedule = dataclasses.replace(schedule, edges=schedule.edges + missing)
-    tables = tick_tables(schedule, message_edges(graph))
+    slot_dtypes = _union_dtypes(
+        [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
+    )
+    slot_layouts = tuple(slot_layout(p, slot_dtypes) for p in programs)
+    tables = tick_tables(
+        schedule,
+        message_edges(graph),
+        residuals_until_weight=[s.weight_reads_residuals for s in slot_layouts],
+    )
     layout = staged_layout(
         graph.param_avals,
         [stage.param_leaves for stage in graph.stages],
         schedule.placement,
         schedule.num_devices,
     )
-    slot_avals = [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
-    residual_dtypes = _union_dtypes(slot_avals)
-    residual_capacity = [0] * len(residual_dtypes)
-    for p in programs:
-        for avals in (stored_residual_avals(p), p.stash_avals):
-            sizes = packing(avals, residual_dtypes).sizes
-            residual_capacity = [max(a, b) for a, b in zip(residual_capacity, sizes, strict=True)]
+    # Stash slots are sized over the stages that run a separate W in this schedule.
+    split_stages = {
+        int(s)
+        for k, s in zip(tables.kind.ravel(), tables.stage.ravel(), strict=True)
+        if k == BACKWARD_WEIGHT
+    }
     edge_avals = [v for e in graph.edges for v in e.values]
     message_dtypes = _union_dtypes(edge_avals)
     message_capacity = [0] * len(message_dtypes)
@@ -237,8 +319,16 @@ def lower(
         layout=layout,
         mesh=mesh,
         axis_name=axis_name,
-        residual_dtypes=residual_dtypes,
-        residual_capacity=tuple(residual_capacity),
+        slot_dtypes=slot_dtypes,
+        slot_layouts=slot_layouts,
+        residual_capacity=tuple(
+            max((s.residual_sizes[k] for s in slot_layouts), default=0)
+            for k in range(len(slot_dtypes))
+        ),
+        stash_capacity=tuple(
+            max((slot_layouts[s].stash_sizes[k] for s in split_stages), default=0)
+            for k in range(len(slot_dtypes))
+        ),
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
     )
@@ -277,7 +367,8 @@ def stored_residual_avals(program: StageProgram) -> tuple[Any, ...]:
 
 
 def branch_keys(tables: TickTables) -> tuple[tuple[int, int], ...]:
-    """Returns the (kind, stage) of every switch branch: idle first, then those the tables use."""
+    """Returns the (kind, stage) of every action code: idle (code 0) first, then the actions the
+    tables use, in a fixed order. The loop's per-tick action table holds these codes."""
     used = sorted(
         {
             (int(k), int(s))
@@ -288,63 +379,91 @@ def branch_keys(tables: TickTables) -> tuple[tuple[int, int], ...]:
     return ((IDLE, 0), *used)
 
 
-def _make_branch(low: Lowering, kind: int, stage_index: int):
-    """Returns the switch branch running action ``kind`` of stage ``stage_index``."""
+def _read_slot(buffers: Sequence[jax.Array], slot: jax.Array, item: tuple) -> jax.Array:
+    k, offset, shape = item
+    size = int(np.prod(shape, dtype=np.int64))
+    flat = jax.lax.dynamic_slice(buffers[k], (slot, offset), (1, size))
+    return flat.reshape(shape)
+
+
+def _write_slot(buffers: list[jax.Array], slot: jax.Array, item: tuple, value: jax.Array) -> None:
+    k, offset, _ = item
+    flat = jnp.ravel(value).astype(buffers[k].dtype)[None]
+    buffers[k] = jax.lax.dynamic_update_slice(buffers[k], flat, (slot, offset))
+
+
+@dataclass(frozen=True)
+class _TickState:
+    """What one tick's actions update: the device's buffers and what leaves the device."""
+
+    residuals: list  # per slot dtype, [residual slots, capacity]
+    stash: list  # per slot dtype, [stash slots, capacity]
+    grads: list  # per param dtype, the device's gradient row
+    sends: list  # per shift, per message dtype, the payload to send
+    loss: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    _TickState, data_fields=["residuals", "stash", "grads", "sends", "loss"], meta_fields=[]
+)
+
+
+def _make_action(low: Lowering, kind: int, stage_index: int):
+    """Returns the function running action ``kind`` of stage ``stage_index`` for one tick.
+
+    It takes the tick state and returns it updated in place: F writes its residuals into a
+    residual slot, B reads them and writes W's stash into a stash slot, W and BW add their
+    weight gradient into the gradient row; F, B and BW put the messages they send into the
+    send payloads. No action reads and writes the same slot pool, which lets XLA keep every
+    buffer in place through the conditional that runs the action (a buffer read and written
+    by one conditional branch, or a multi-way switch, makes XLA copy it every tick).
+    """
     graph, tables, layout = low.graph, low.tables, low.layout
-    num_devices = tables.num_devices
     edges = tables.edges
     msg_dtypes, msg_cap = low.message_dtypes, low.message_capacity
-    res_dtypes, res_cap = low.residual_dtypes, low.residual_capacity
     num_micro = low.schedule.num_microbatches
     loss_aval = graph.stages[graph.loss_stage].jaxpr.out_avals[0]
-
-    def zeros_outputs():
-        sends = [
-            [jnp.zeros(n * c, dt) for dt, c in zip(msg_dtypes, msg_cap, strict=True)]
-            for n in tables.messages_per_shift
-        ]
-        residual = [jnp.zeros(c, dt) for dt, c in zip(res_dtypes, res_cap, strict=True)]
-        grads = [
-            jnp.zeros(c, dt) for dt, c in zip(layout.dtypes, layout.stage_capacity, strict=True)
-        ]
-        offsets = [jnp.zeros((), jnp.int32) for _ in layout.dtypes]
-        return sends, residual, grads, offsets, jnp.zeros((), loss_aval.dtype)
-
-    if kind == IDLE:
-        return lambda *_: zeros_outputs()
-
     stage = graph.stages[stage_index]
     program = low.programs[stage_index]
     name = f"{_KIND_SCOPE[kind]} s{stage_index}"
-    backward = kind in (BACKWARD_INPUT, BACKWARD)
+    slots = low.slot_layouts[stage_index]
     edge_packing = {e: packing(graph.edges[e].values, msg_dtypes) for e in range(len(edges))}
-    reads = incoming_messages(edges, stage_index, backward)
-    sent = outgoing_messages(edges, tables.placement, num_devices, stage_index, backward)
+    reads = incoming_messages(edges, stage_index, kind != FORWARD)
+    sent = outgoing_messages(
+        edges, tables.placement, tables.num_devices, stage_index, kind != FORWARD
+    )
     shift_index = {shift: k for k, shift in enumerate(tables.shifts)}
     out_positions = _edge_positions(graph, stage_index, output=True)
     in_positions = _edge_positions(graph, stage_index, output=False)
-    residual_packing = packing(stored_residual_avals(program), res_dtypes)
-    sources = residual_sources(program)
-    stash_packing = packing(program.stash_avals, res_dtypes)
     n_outputs = len(stage.output_differentiable)
     n_in_cts = sum(stage.input_differentiable)
 
     def place_sends(sends, values_of_edge):
         # Each message goes to its shift's payload at its position (capacity-sized blocks).
+        sends = [list(s) for s in sends]
         for shift, position, e in sent:
             k = shift_index[shift]
             flats = pack(edge_packing[e], values_of_edge(e), msg_cap)
             for t in range(len(msg_dtypes)):
                 start = position * msg_cap[t]
-                sends[k][t] = sends[k][t].at[start : start + msg_cap[t]].set(flats[t])
+                sends[k][t] = jax.lax.dynamic_update_slice(sends[k][t], flats[t], (start,))
         return sends
+
+    def incoming(message_buf, msg_read):
+        # The message slots this action reads, unpacked, per incoming edge.
+        out = {}
+        for j, e in enumerate(reads):
+            flats = [
+                jax.lax.dynamic_index_in_dim(b, msg_read[j], keepdims=False) for b in message_buf
+            ]
+            out[e] = unpack(edge_packing[e], flats)
+        return out
 
     def output_cotangents(messages):
         if stage_index == graph.loss_stage:
             return [jnp.full(loss_aval.shape, 1.0 / num_micro, loss_aval.dtype)]
         cts: list = [None] * n_outputs
-        for j, e in enumerate(reads):
-            values = unpack(edge_packing[e], messages[j])
+        for e, values in messages.items():
             for pos, value in zip(out_positions[e], values, strict=True):
                 cts[pos] = value
         return [ct for ct, flag in zip(cts, stage.output_differentiable, strict=True) if flag]
@@ -367,83 +486,96 @@ def _make_branch(low: Lowering, kind: int, stage_index: int):
 
         return place_sends(sends, values_of_edge)
 
-    def branch(param_rows, batch_mb, residual_buf, res_read, messages):
-        # The slot is read here, by the branches that need it, so F and idle ticks copy
-        # nothing out of the residual pool.
-        def read_slot():
-            return [jax.lax.dynamic_index_in_dim(b, res_read, keepdims=False) for b in residual_buf]
+    def action(state: _TickState, ctx: dict) -> _TickState:
+        residual_buf, stash_buf, grads = list(state.residuals), list(state.stash), list(state.grads)
+        sends, loss = state.sends, state.loss
+
+        def batch_mb(j):
+            leaf = ctx["batch"][stage.batch_leaves[j]]
+            return jax.lax.dynamic_index_in_dim(leaf, ctx["micro"], keepdims=False)
+
+        def resolve(sources):
+            params = (
+                unpack_stage_params(layout, stage_index, ctx["rows"])
+                if any(where == "param" for where, _ in sources)
+                else []
+            )
+            pools = {
+                "residual": (residual_buf, ctx["residual_read"]),
+                "stash": (stash_buf, ctx["stash_read"]),
+            }
+            out = []
+            for where, what in sources:
+                if where in pools:
+                    out.append(_read_slot(*pools[where], what))
+                elif where == "param":
+                    out.append(params[what])
+                else:
+                    out.append(batch_mb(what))
+            return out
 
         with jax.named_scope(name):
-            sends, res_out, grads, offsets, loss = zeros_outputs()
             if kind == FORWARD:
-                params = unpack_stage_params(layout, stage_index, param_rows)
-                batch = [batch_mb[i] for i in stage.batch_leaves]
-                inputs: list = []
-                for e in stage.in_edges:
-                    inputs += unpack(edge_packing[e], messages[reads.index(e)])
+                params = unpack_stage_params(layout, stage_index, ctx["rows"])
+                messages = incoming(ctx["messages"], ctx["message_read"])
+                inputs = [v for e in stage.in_edges for v in messages[e]]
+                batch = [batch_mb(j) for j in range(len(stage.batch_leaves))]
                 outs = jaxpr_as_fun(program.forward)(*params, *batch, *inputs)
                 outputs, residuals = outs[:n_outputs], outs[n_outputs:]
                 if stage_index == graph.loss_stage:
                     loss = outputs[0].astype(loss.dtype)
                 else:
                     sends = place_sends(sends, lambda e: [outputs[p] for p in out_positions[e]])
-                stored = [
-                    r for r, (where, _) in zip(residuals, sources, strict=True) if where == "slot"
-                ]
-                res_out = pack(residual_packing, stored, res_cap)
+                for (where, item), value in zip(slots.residuals, residuals, strict=True):
+                    if where == "residual":
+                        _write_slot(residual_buf, ctx["residual_write"], item, value)
             elif kind in (BACKWARD_INPUT, BACKWARD):
-                stored = unpack(residual_packing, read_slot())
-                resident = {
-                    "slot": stored,
-                    "param": unpack_stage_params(layout, stage_index, param_rows)
-                    if any(where == "param" for where, _ in sources)
-                    else [],
-                    "batch": [batch_mb[i] for i in stage.batch_leaves],
-                }
-                residuals = [resident[where][j] for where, j in sources]
+                residuals = resolve(slots.residuals)
+                messages = incoming(ctx["messages"], ctx["message_read"])
                 jaxpr = program.backward_input if kind == BACKWARD_INPUT else program.backward
                 outs = jaxpr_as_fun(jaxpr)(*residuals, *output_cotangents(messages))
                 in_cts, rest = outs[:n_in_cts], outs[n_in_cts:]
                 sends = input_cotangent_sends(sends, in_cts)
                 if kind == BACKWARD_INPUT:
-                    res_out = pack(stash_packing, rest, res_cap)
+                    for (where, item), value in zip(slots.stash, rest, strict=True):
+                        if where == "stash":
+                            _write_slot(stash_buf, ctx["stash_write"], item, value)
                 else:
-                    grads = _stage_gradients(layout, stage_index, rest)
-                    offsets = [jnp.asarray(o, jnp.int32) for o in layout.stage_offset[stage_index]]
+                    _add_gradients(layout, stage_index, grads, rest)
             else:  # BACKWARD_WEIGHT
-                stash = unpack(stash_packing, read_slot())
-                param_cts = jaxpr_as_fun(program.backward_weight)(*stash)
-                grads = _stage_gradients(layout, stage_index, param_cts)
-                offsets = [jnp.asarray(o, jnp.int32) for o in layout.stage_offset[stage_index]]
-            return sends, res_out, grads, offsets, loss
+                param_cts = jaxpr_as_fun(program.backward_weight)(*resolve(slots.stash))
+                _add_gradients(layout, stage_index, grads, param_cts)
+        return _TickState(residual_buf, stash_buf, grads, sends, loss)
 
-    return branch
+    return action
 
 
-def _stage_gradients(layout: StagedLayout, stage_index: int, param_cts) -> list[jax.Array]:
-    # Integer params have float0 cotangents; their gradient slot stays zero.
-    fixed = []
+def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_cts) -> None:
+    """Adds a stage's param cotangents into the device's gradient rows, leaf by leaf."""
     for slot, ct in zip(layout.stage_slots[stage_index], param_cts, strict=True):
+        # Integer params have float0 cotangents; their gradient stays zero.
         if ct.dtype == jax.dtypes.float0 or not jnp.issubdtype(slot.dtype, jnp.inexact):
-            ct = jnp.zeros(slot.shape, slot.dtype)
-        fixed.append(ct)
-    return pack_stage_gradients(layout, stage_index, fixed)
+            continue
+        k = layout.dtype_index(slot.dtype)
+        end = slot.offset + slot.size
+        grads[k] = grads[k].at[slot.offset : end].add(jnp.ravel(ct).astype(grads[k].dtype))
 
 
 def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
     """Returns the per-tick tables the scan consumes, each ``[num_ticks, num_devices, ...]``."""
     tables = low.tables
-    keys = branch_keys(tables)
-    index = {key: i for i, key in enumerate(keys)}
-    branch = np.zeros(tables.kind.shape, np.int32)
+    index = {key: i for i, key in enumerate(branch_keys(tables))}
+    action = np.zeros(tables.kind.shape, np.int32)
     for (t, d), k in np.ndenumerate(tables.kind):
         if k != IDLE:
-            branch[t, d] = index[(int(k), int(tables.stage[t, d]))]
+            action[t, d] = index[(int(k), int(tables.stage[t, d]))]
     return (
-        branch,
+        action,
         tables.microbatch,
         tables.residual_read,
         tables.residual_write,
+        tables.stash_read,
+        tables.stash_write,
         tables.message_read,
         tables.message_write,
     )
@@ -452,57 +584,66 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
 def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...]):
     axis = low.axis_name
     tables = low.tables
-    branches = [_make_branch(low, kind, stage) for kind, stage in branch_keys(tables)]
+    actions = [_make_action(low, kind, stage) for kind, stage in branch_keys(tables)[1:]]
     xs = tuple(jnp.asarray(x) for x in _tick_inputs(low))
     num_micro = low.schedule.num_microbatches
     loss_aval = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals[0]
-    res_slots = tables.num_residual_slots + 1
-    msg_slots = tables.num_message_slots + 1
+    msg_slots = tables.num_message_slots + 1  # + the spare that absorbs "nothing arrives"
     data_axes = low.data_axes
 
     def device_program(rows, batch, xs):
         rows = [r[0] for r in rows]
         xs = tuple(x[:, 0] for x in xs)
 
-        def zeros(shape, dtype):
-            return jnp.zeros(shape, dtype)
+        def pool(num_slots, capacity):
+            # Never read before an action writes it, so it need not be zeroed (backends that
+            # can skip it do).
+            return [
+                jax.lax.empty((max(num_slots, 1), c), dt)
+                for dt, c in zip(low.slot_dtypes, capacity, strict=True)
+            ]
 
-        carry = (
-            [
-                zeros((res_slots, c), dt)
-                for dt, c in zip(low.residual_dtypes, low.residual_capacity, strict=True)
-            ],
-            [
-                zeros((msg_slots, c), dt)
-                for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
-            ],
-            [zeros(r.shape, r.dtype) for r in rows],
-            zeros((), loss_aval.dtype),
-        )
+        residual_buf = pool(tables.num_residual_slots, low.residual_capacity)
+        stash_buf = pool(tables.num_stash_slots, low.stash_capacity)
+        message_buf = [
+            jnp.zeros((msg_slots, c), dt)
+            for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
+        ]
 
         def tick(carry, x):
-            residual_buf, message_buf, grad_acc, loss_sum = carry
-            branch, micro, res_read, res_write, msg_read, msg_write = x
-            messages = [
-                [jax.lax.dynamic_index_in_dim(b, msg_read[j], keepdims=False) for b in message_buf]
-                for j in range(msg_read.shape[0])
-            ]
-            batch_mb = [jax.lax.dynamic_index_in_dim(b, micro, keepdims=False) for b in batch]
-            sends, res_out, grads, offsets, loss = jax.lax.switch(
-                branch, branches, rows, batch_mb, residual_buf, res_read, messages
+            residual_buf, stash_buf, grads, message_buf, loss_sum = carry
+            code, micro, res_read, res_write, st_read, st_write, msg_read, msg_write = x
+            ctx = dict(
+                rows=rows,
+                batch=batch,
+                micro=micro,
+                messages=message_buf,
+                message_read=msg_read,
+                residual_read=res_read,
+                residual_write=res_write,
+                stash_read=st_read,
+                stash_write=st_write,
             )
-            residual_buf = [
-                jax.lax.dynamic_update_index_in_dim(b, v, res_write, 0)
-                for b, v in zip(residual_buf, res_out, strict=True)
-            ]
-            grad_acc = [
-                jax.lax.dynamic_update_slice(
-                    acc, jax.lax.dynamic_slice(acc, (off,), (g.shape[0],)) + g, (off,)
-                )
-                for acc, g, off in zip(grad_acc, grads, offsets, strict=True)
-            ]
+            state = _TickState(
+                residual_buf,
+                stash_buf,
+                grads,
+                [
+                    [
+                        jnp.zeros(n * c, dt)
+                        for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
+                    ]
+                    for n in tables.messages_per_shift
+                ],
+                jnp.zeros((), loss_aval.dtype),
+            )
+            # One two-way conditional per action, in sequence (at most one is taken per tick).
+            # Unlike one multi-way switch, this keeps the buffers in place on XLA.
+            for i, action in enumerate(actions):
+                state = jax.lax.cond(code == i + 1, action, lambda state, ctx: state, state, ctx)
+            message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):
-                payload = sends[k]
+                payload = state.sends[k]
                 if shift:
                     perm = [
                         (d, (d + shift) % tables.num_devices) for d in range(tables.num_devices)
@@ -515,15 +656,18 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
                         )
                         for b, p, c in zip(message_buf, payload, low.message_capacity, strict=True)
                     ]
-            return (residual_buf, message_buf, grad_acc, loss_sum + loss), None
+            carry = (state.residuals, state.stash, state.grads, message_buf, loss_sum + state.loss)
+            return carry, None
 
-        (_, _, grad_acc, loss_sum), _ = jax.lax.scan(tick, carry, xs)
+        grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
+        carry = (residual_buf, stash_buf, grads, message_buf, jnp.zeros((), loss_aval.dtype))
+        (_, _, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         loss = jax.lax.psum(loss_sum, axis) / num_micro
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
             loss = jax.lax.pmean(loss, data_axes)
-            grad_acc = [jax.lax.pmean(g, data_axes) for g in grad_acc]
-        return loss, [g[None] for g in grad_acc]
+            grads = [jax.lax.pmean(g, data_axes) for g in grads]
+        return loss, [g[None] for g in grads]
 
     mesh = low.mesh
     in_specs = (

@@ -93,6 +93,20 @@ def forwarded_residuals(program: StageProgram) -> tuple[int | None, ...]:
     return tuple(None if is_literal(v) else position.get(v) for v in jaxpr.outvars[num_outputs:])
 
 
+def forwarded_stash(program: StageProgram) -> tuple[int | None, ...]:
+    """Returns, per stash value, the index of the residual it merely forwards, else None.
+
+    W often needs values B only passes through (the ``x`` of ``x @ A``, whose weight gradient
+    is ``x.T @ dy``). Such a value is already stored for B; a lowering that keeps residuals until
+    W can let W read it there instead of having B copy it into the stash.
+    """
+    jaxpr = program.backward_input.jaxpr
+    num_residuals = len(program.residual_avals)
+    num_input_cts = len(jaxpr.outvars) - len(program.stash_avals)
+    position = {v: i for i, v in enumerate(jaxpr.invars[:num_residuals])}
+    return tuple(None if is_literal(v) else position.get(v) for v in jaxpr.outvars[num_input_cts:])
+
+
 @dataclass(frozen=True)
 class _Roles:
     """Which stage inputs and outputs are differentiated, as positions in the flat lists."""

@@ -9,15 +9,18 @@ allocates the buffer slots the lowering reads and writes. Pure Python and NumPy,
 Data that outlives a tick sits in two slot pools per device, both sized by the schedule's peak
 number of items in flight (interval colouring), never by the number of microbatches:
 
-- **residual slots**: one per (stage, microbatch) from its F until its W (or BW). F writes the
-  residuals, B reads them and writes W's stash into the same slot, W reads the stash.
+- **residual slots**: one per (stage, microbatch) from its F until its B (or BW), or until its
+  W when W reads some of the residuals too (``residuals_until_weight``). F writes the
+  residuals, B (or BW) reads them.
+- **stash slots**: one per (stage, microbatch) from its B until its W: B writes what W needs
+  beyond the residuals, W reads it.
 - **message slots**: one per *message* from the tick it is sent until the tick it is read. A
   message is one stage-graph edge's values for one microbatch (sent by F of the edge's source
   to F of its destination) or their cotangents (sent by B/BW of the destination to B/BW of the
   source). Same-device edges are messages with shift 0 (a local copy).
 
-Each pool has one extra *spare* slot (index = number of slots) that absorbs the writes of
-actions that write nothing, so the lowering can write unconditionally.
+Tables name the index one past the last slot (a *spare*) where an action reads or writes
+nothing. The message pool allocates that spare: every tick stores whatever arrives.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class TickTables:
 
     ``kind``/``stage``/``microbatch`` say which action runs (kind ``IDLE`` = none).
     ``residual_read`` is the residual slot B/W/BW read; ``residual_write`` the slot F writes its
-    residuals to and B its stash to (the spare slot otherwise). ``message_read[t, d, j]`` is the
+    residuals to; ``stash_write`` the stash slot B writes and ``stash_read`` the one W reads
+    (the spare index otherwise). ``message_read[t, d, j]`` is the
     message slot holding the j-th input of the action: F's in-edges or B/BW's out-edge
     cotangents, in edge order (the spare slot past the last). ``message_write[t, d, k, j]`` is
     where device ``d`` stores the j-th message that arrives over ``shifts[k]`` at the end of
@@ -71,11 +75,14 @@ class TickTables:
     microbatch: np.ndarray
     residual_read: np.ndarray
     residual_write: np.ndarray
+    stash_read: np.ndarray
+    stash_write: np.ndarray
     message_read: np.ndarray
     message_write: np.ndarray
     shifts: tuple[int, ...]
     messages_per_shift: tuple[int, ...]
     num_residual_slots: int
+    num_stash_slots: int
     num_message_slots: int
     edges: tuple[MessageEdge, ...]
     placement: tuple[int, ...]
@@ -211,11 +218,17 @@ def _colour_intervals(intervals: Sequence[tuple[int, int, object]]) -> tuple[dic
     return slot_of, num_slots
 
 
-def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) -> TickTables:
+def tick_tables(
+    schedule: Schedule,
+    edges: Sequence[MessageEdge] | None = None,
+    residuals_until_weight: Sequence[bool] | None = None,
+) -> TickTables:
     """Returns the lockstep tables and slot allocation that run ``schedule``.
 
     ``edges`` are the stage graph's edges (one message each per microbatch and direction);
     by default one edge per ``schedule.edges`` pair, every one carrying cotangents.
+    ``residuals_until_weight[s]`` says whether stage ``s``'s W reads residuals (its residual
+    slot then lives until W, else until B); by default every stage's does.
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -232,8 +245,12 @@ def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) 
     num_ticks = max(tick_of.values(), default=-1) + 1
     kinds = backward_kinds(schedule)
 
-    # Residual slots live from F until W (or BW), per device.
+    if residuals_until_weight is None:
+        residuals_until_weight = (True,) * schedule.num_stages
+    # Residual slots live from F until B (until W when W reads residuals) or BW; stash slots
+    # from B until W; per device.
     residual_intervals: list[list] = [[] for _ in range(num_devices)]
+    stash_intervals: list[list] = [[] for _ in range(num_devices)]
     for action, tick in tick_of.items():
         if action.kind == "F":
             s, i = action.stage, action.microbatch
@@ -243,9 +260,17 @@ def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) 
                     f"dependency rule: {action} has no backward ({last}) in the schedule; "
                     "every forward needs a backward"
                 )
+            if last.kind == "W":
+                stash_intervals[placement[s]].append(
+                    (tick_of[Action("B", s, i)], tick_of[last], (s, i))
+                )
+                if not residuals_until_weight[s]:
+                    last = Action("B", s, i)
             residual_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
     residual_slots = [_colour_intervals(iv) for iv in residual_intervals]
     num_residual_slots = max((n for _, n in residual_slots), default=0)
+    stash_slots = [_colour_intervals(iv) for iv in stash_intervals]
+    num_stash_slots = max((n for _, n in stash_slots), default=0)
 
     # Messages live from the tick they are sent until the tick they are read, on the reader.
     sends: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
@@ -290,6 +315,8 @@ def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) 
     microbatch = np.zeros(shape, np.int32)
     residual_read = np.full(shape, num_residual_slots, np.int32)
     residual_write = np.full(shape, num_residual_slots, np.int32)
+    stash_read = np.full(shape, num_stash_slots, np.int32)
+    stash_write = np.full(shape, num_stash_slots, np.int32)
     message_read = np.full(shape + (max_reads,), num_message_slots, np.int32)
     message_write = np.full(shape + (len(shifts), max_per_shift), num_message_slots, np.int32)
     for action, tick in tick_of.items():
@@ -299,10 +326,13 @@ def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) 
         stage[tick, d] = s
         microbatch[tick, d] = i
         slot = residual_slots[d][0][(s, i)]
-        if action.kind in ("F", "B"):
+        if action.kind == "F":
             residual_write[tick, d] = slot
-        if action.kind != "F":
+        elif action.kind != "W" or residuals_until_weight[s]:
             residual_read[tick, d] = slot
+        if action.kind in ("B", "W"):
+            stash = stash_slots[d][0][(s, i)]
+            (stash_write if action.kind == "B" else stash_read)[tick, d] = stash
         if action.kind != "W":
             backward = action.kind != "F"
             for j, e in enumerate(incoming_messages(edges, s, backward)):
@@ -316,11 +346,14 @@ def tick_tables(schedule: Schedule, edges: Sequence[MessageEdge] | None = None) 
         microbatch=microbatch,
         residual_read=residual_read,
         residual_write=residual_write,
+        stash_read=stash_read,
+        stash_write=stash_write,
         message_read=message_read,
         message_write=message_write,
         shifts=shifts,
         messages_per_shift=tuple(messages_per_shift),
         num_residual_slots=num_residual_slots,
+        num_stash_slots=num_stash_slots,
         num_message_slots=num_message_slots,
         edges=edges,
         placement=tuple(placement),

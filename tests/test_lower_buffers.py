@@ -1,0 +1,70 @@
+"""The lowered step keeps its slot pools in place, and W's stash follows the memory model.
+
+XLA copies a buffer that a multi-way conditional, or a branch reading and writing it, passes
+through; in the tick loop that would copy every residual slot on every tick. These tests
+compile real pipelines and look for such copies in the optimized HLO.
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import zbjax
+from models import mlp
+from zbjax.lower import slot_layout
+from zbjax.partition import partition
+from zbjax.split import split
+
+CFG = mlp.MLPConfig(in_dim=16, width=32, depth=4, out_dim=8, stage_boundaries=(1,))
+
+
+def _compiled_text(schedule: str, microbatches: int) -> tuple[str, zbjax.Pipeline]:
+    params = mlp.init_params(jax.random.key(0), CFG)
+    batch = mlp.make_batch(jax.random.key(1), CFG, 8 * microbatches)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(
+        mlp.make_loss_fn(CFG), mesh=mesh, schedule=schedule, num_microbatches=microbatches
+    )
+    staged = pipe.stage(params, batch)
+    return pipe.lower(staged, batch).compile().as_text(), pipe
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
+def test_no_slot_pool_is_copied_in_the_compiled_step(schedule):
+    text, pipe = _compiled_text(schedule, 4)
+    low = pipe.lowering
+    tables = low.tables
+    pools = set()
+    for slots, capacity in (
+        (tables.num_residual_slots, low.residual_capacity),
+        (tables.num_stash_slots, low.stash_capacity),
+    ):
+        for c in capacity:
+            if c:
+                pools.add(f"[{max(slots, 1)},{c}]")
+    assert pools
+    # Copies in the entry computation run once per step (XLA may merge the pools' identical
+    # initial values and copy one); the tick loop's body and its branches must copy none.
+    loop_text = text[: text.index("\nENTRY ")]
+    copies = re.findall(r"= \w+(\[[0-9,]+\])\{[^}]*\} copy\(", loop_text)
+    copied_pools = [shape for shape in copies if shape in pools]
+    assert not copied_pools, f"pool buffers copied per tick: {copied_pools} (pools {pools})"
+
+
+def test_w_reads_residuals_in_place_only_when_it_needs_nearly_all_of_them():
+    params = mlp.init_params(jax.random.key(0), CFG)
+    microbatch = mlp.make_batch(jax.random.key(1), CFG, 8)
+    first, last = split(partition(mlp.make_loss_fn(CFG), params, microbatch))
+    # The first stage has no input cotangent: its B computes nothing and its W is the whole
+    # backward, so W reads every residual where F stored it and B copies nothing.
+    kept = slot_layout(first)
+    assert kept.weight_reads_residuals
+    # What B writes for it is only the output cotangent (a message, not a residual).
+    assert kept.stash_sizes == (int(np.prod(first.stage.jaxpr.out_avals[0].shape)),)
+    # The last stage's B consumes the activations' derivatives itself; W needs only the layer
+    # inputs, so B copies those into the stash and the residual slot is free after B.
+    copied = slot_layout(last)
+    assert not copied.weight_reads_residuals
+    assert all(where in ("stash", "param", "batch") for where, _ in copied.stash)
