@@ -172,9 +172,14 @@ class SlotLayout:
 FORWARD_WASTE_LIMIT = 0.1
 
 
-def slot_layout(program: StageProgram, dtypes: Sequence[str] | None = None) -> SlotLayout:
+def slot_layout(
+    program: StageProgram, dtypes: Sequence[str] | None = None, forward: bool | None = None
+) -> SlotLayout:
     """Returns ``program``'s slot layout over per-dtype vectors of ``dtypes`` (by default the
     dtypes of its own residuals and stash).
+
+    ``forward=True`` makes W read the residuals it needs in the residual slot, ``False`` makes
+    B copy them into the stash; ``None`` decides as follows.
 
     W's stash values that are residuals can be read where F stored them, which saves B a copy
     but keeps the whole residual slot until W. That is done when W reads nearly all of the slot
@@ -195,7 +200,7 @@ def slot_layout(program: StageProgram, dtypes: Sequence[str] | None = None) -> S
     read_in_slot = {sources[f][1] for f in forwarded if f is not None and sources[f][0] == "slot"}
     slot_bytes = sum(_nbytes(a) for a in stored_avals)
     unread = sum(_nbytes(a) for j, a in enumerate(stored_avals) if j not in read_in_slot)
-    keep = unread <= FORWARD_WASTE_LIMIT * slot_bytes
+    keep = unread <= FORWARD_WASTE_LIMIT * slot_bytes if forward is None else forward
     # Stash values W finds elsewhere: in the residual slot (if kept), a param or a batch leaf.
     elsewhere = [f is not None and (keep or residuals[f][0] != "residual") for f in forwarded]
     new_avals = [a for a, e in zip(program.stash_avals, elsewhere, strict=True) if not e]
@@ -287,24 +292,13 @@ def lower(
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
-    slot_layouts = tuple(slot_layout(p, slot_dtypes) for p in programs)
-    tables = tick_tables(
-        schedule,
-        message_edges(graph),
-        residuals_until_weight=[s.weight_reads_residuals for s in slot_layouts],
-    )
+    slot_layouts, tables = _slots_and_tables(programs, slot_dtypes, schedule, graph)
     layout = staged_layout(
         graph.param_avals,
         [stage.param_leaves for stage in graph.stages],
         schedule.placement,
         schedule.num_devices,
     )
-    # Stash slots are sized over the stages that run a separate W in this schedule.
-    split_stages = {
-        int(s)
-        for k, s in zip(tables.kind.ravel(), tables.stage.ravel(), strict=True)
-        if k == BACKWARD_WEIGHT
-    }
     edge_avals = [v for e in graph.edges for v in e.values]
     message_dtypes = _union_dtypes(edge_avals)
     message_capacity = [0] * len(message_dtypes)
@@ -321,17 +315,59 @@ def lower(
         axis_name=axis_name,
         slot_dtypes=slot_dtypes,
         slot_layouts=slot_layouts,
-        residual_capacity=tuple(
-            max((s.residual_sizes[k] for s in slot_layouts), default=0)
-            for k in range(len(slot_dtypes))
-        ),
-        stash_capacity=tuple(
-            max((slot_layouts[s].stash_sizes[k] for s in split_stages), default=0)
-            for k in range(len(slot_dtypes))
-        ),
+        residual_capacity=_capacities(slot_layouts, tables)[0],
+        stash_capacity=_capacities(slot_layouts, tables)[1],
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
     )
+
+
+def _capacities(
+    slot_layouts: Sequence[SlotLayout], tables: TickTables
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Returns the per-dtype sizes of one residual slot and one stash slot."""
+    # Stash slots are sized over the stages that run a separate W in this schedule.
+    split_stages = {
+        int(s)
+        for k, s in zip(tables.kind.ravel(), tables.stage.ravel(), strict=True)
+        if k == BACKWARD_WEIGHT
+    }
+    num_dtypes = len(slot_layouts[0].residual_sizes) if slot_layouts else 0
+    residual = tuple(max(s.residual_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
+    stash = tuple(
+        max((slot_layouts[s].stash_sizes[k] for s in split_stages), default=0)
+        for k in range(num_dtypes)
+    )
+    return residual, stash
+
+
+def _slots_and_tables(
+    programs: Sequence[StageProgram], dtypes: Sequence[str], schedule: Schedule, graph: StageGraph
+) -> tuple[tuple[SlotLayout, ...], TickTables]:
+    """Returns the slot layouts and tick tables that hold the fewest bytes of slots.
+
+    Two candidates: every stage's W reads its residuals in the residual slot (which then lives
+    until W; B copies nothing), or ``slot_layout``'s per-stage rule (B copies them into the
+    stash unless W reads nearly the whole slot). Which needs less memory depends on how many
+    slots of each pool the schedule keeps in flight, so both are counted; a tie keeps the
+    first, which copies less.
+    """
+    best = None
+    for forward in (True, None):
+        layouts = tuple(slot_layout(p, dtypes, forward) for p in programs)
+        tables = tick_tables(
+            schedule,
+            message_edges(graph),
+            residuals_until_weight=[s.weight_reads_residuals for s in layouts],
+        )
+        residual, stash = _capacities(layouts, tables)
+        size = (
+            _slot_bytes(dtypes, residual) * tables.num_residual_slots
+            + _slot_bytes(dtypes, stash) * tables.num_stash_slots
+        )
+        if best is None or size < best[0]:
+            best = (size, layouts, tables)
+    return best[1], best[2]
 
 
 def residual_sources(program: StageProgram) -> tuple[tuple[str, int], ...]:
