@@ -25,7 +25,7 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
     m = bw_split.measure(case, repeats=2)
     assert m.flops_b + m.flops_w == m.flops_bw > 0
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
-    assert "| yes |" in bw_split.table([m])
+    assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
 
 
 def test_textbook_gpipe_equals_jax_grad():
