@@ -313,3 +313,20 @@ def _retrace_cond(params: dict, invals: list) -> list:
 
 
 _RETRACE_RULES = {"scan": _retrace_scan, "while": _retrace_while, "cond": _retrace_cond}
+
+
+# ----------------------------------------------------------------------------------------------
+# Section: buffers (owner: lowering engineer)
+# ----------------------------------------------------------------------------------------------
+
+
+def uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Returns an array whose contents the caller overwrites before reading them.
+
+    ``jax.lax.empty`` lets backends skip initialising (GPU allocates without writing; CPU still
+    fills zeros); releases without it get zeros.
+    """
+    empty = getattr(jax.lax, "empty", None)
+    if empty is None:
+        return jax.numpy.zeros(shape, dtype)
+    return empty(shape, dtype)

@@ -33,6 +33,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zbjax._jax_compat import uninitialized
 from zbjax.errors import ScheduleError
 from zbjax.params import (
     StagedLayout,
@@ -648,7 +649,7 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
             # Never read before an action writes it, so it need not be zeroed (backends that
             # can skip it do).
             return [
-                jax.lax.empty((max(num_slots, 1), c), dt)
+                uninitialized((max(num_slots, 1), c), dt)
                 for dt, c in zip(low.slot_dtypes, capacity, strict=True)
             ]
 
