@@ -68,3 +68,27 @@ def test_w_reads_residuals_in_place_only_when_it_needs_nearly_all_of_them():
     copied = slot_layout(last)
     assert not copied.weight_reads_residuals
     assert all(where in ("stash", "param", "batch") for where, _ in copied.stash)
+
+
+def test_kept_buffers_give_the_same_step_twice_and_under_jit():
+    params = mlp.init_params(jax.random.key(0), CFG)
+    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    loss_fn = mlp.make_loss_fn(CFG)
+
+    def make(keep):
+        return zbjax.pipeline(
+            loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2, keep_buffers=keep
+        )
+
+    fresh, kept = make(False), make(True)
+    assert kept.keep_buffers and not fresh.keep_buffers
+    assert make(None).keep_buffers  # a CPU mesh keeps them by default
+    want_loss, want_grads = fresh.value_and_grad(params, batch)
+    for _ in range(2):  # the second call runs on the slots the first one donated back
+        loss, grads = kept.value_and_grad(params, batch)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), grads, want_grads)
+    assert len(kept._pools) == 1
+    loss, _ = jax.jit(kept.value_and_grad)(params, batch)  # traced: allocates its own slots
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)

@@ -261,13 +261,50 @@ class Lowering:
         return tuple(a for a in self.mesh.axis_names if a != self.axis_name)
 
     @property
+    def pool_spec(self) -> PartitionSpec:
+        """Returns how the slot pools lie on the mesh: every device its own slots."""
+        return PartitionSpec(self.axis_name, self.data_axes or None)
+
+    @property
     def data_parallel_size(self) -> int:
         """Returns how many data-parallel shards each microbatch's rows are split into."""
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes], dtype=np.int64))
 
-    def step(self, staged: StagedParams, batch_leaves: Sequence[jax.Array]):
-        """Returns (mean loss, staged grads) of the pipelined step (call under ``jax.jit``)."""
-        return _run(self, staged, tuple(batch_leaves))
+    def pool_avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Returns the slot pools' shapes, ``[pp devices, data-parallel shards, slots,
+        capacity]`` each: the residual pool per slot dtype, then the stash pool per slot dtype."""
+        d, dp = self.tables.num_devices, self.data_parallel_size
+        return tuple(
+            jax.ShapeDtypeStruct((d, dp, max(slots, 1), c), dt)
+            for slots, capacity in (
+                (self.tables.num_residual_slots, self.residual_capacity),
+                (self.tables.num_stash_slots, self.stash_capacity),
+            )
+            for dt, c in zip(self.slot_dtypes, capacity, strict=True)
+        )
+
+    def new_pools(self) -> list[jax.Array]:
+        """Returns fresh slot pools to pass to ``step`` (zeros, each device's rows on it)."""
+        sharding = NamedSharding(self.mesh, self.pool_spec)
+        return [
+            jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=sharding)()
+            for a in self.pool_avals()
+        ]
+
+    def step(
+        self,
+        staged: StagedParams,
+        batch_leaves: Sequence[jax.Array],
+        pools: Sequence[jax.Array] | None = None,
+    ):
+        """Returns (mean loss, staged grads) of the pipelined step (call under ``jax.jit``).
+
+        With ``pools`` (from ``new_pools`` or a previous step) the step keeps its residual and
+        stash slots in them instead of allocating new ones, and returns (loss, grads, pools):
+        donate them to the jitted step and pass the returned ones to the next, and no step
+        spends time initialising slot memory. Their contents between steps mean nothing.
+        """
+        return _run(self, staged, tuple(batch_leaves), None if pools is None else list(pools))
 
 
 def lower(
@@ -631,7 +668,12 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
     )
 
 
-def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...]):
+def _run(
+    low: Lowering,
+    staged: StagedParams,
+    batch_leaves: tuple[jax.Array, ...],
+    pools: list[jax.Array] | None,
+):
     axis = low.axis_name
     tables = low.tables
     actions = [_make_action(low, kind, stage) for kind, stage in branch_keys(tables)[1:]]
@@ -641,20 +683,18 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
     msg_slots = tables.num_message_slots + 1  # + the spare that absorbs "nothing arrives"
     data_axes = low.data_axes
 
-    def device_program(rows, batch, xs):
+    num_slot_dtypes = len(low.slot_dtypes)
+
+    def device_program(rows, batch, xs, given_pools):
         rows = [r[0] for r in rows]
         xs = tuple(x[:, 0] for x in xs)
-
-        def pool(num_slots, capacity):
+        if given_pools:
+            pools = [p[0, 0] for p in given_pools]
+        else:
             # Never read before an action writes it, so it need not be zeroed (backends that
             # can skip it do).
-            return [
-                uninitialized((max(num_slots, 1), c), dt)
-                for dt, c in zip(low.slot_dtypes, capacity, strict=True)
-            ]
-
-        residual_buf = pool(tables.num_residual_slots, low.residual_capacity)
-        stash_buf = pool(tables.num_stash_slots, low.stash_capacity)
+            pools = [uninitialized(a.shape[2:], a.dtype) for a in low.pool_avals()]
+        residual_buf, stash_buf = pools[:num_slot_dtypes], pools[num_slot_dtypes:]
         message_buf = [
             jnp.zeros((msg_slots, c), dt)
             for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
@@ -711,13 +751,14 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
         carry = (residual_buf, stash_buf, grads, message_buf, jnp.zeros((), loss_aval.dtype))
-        (_, _, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
+        (residual_buf, stash_buf, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         loss = jax.lax.psum(loss_sum, axis) / num_micro
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
             loss = jax.lax.pmean(loss, data_axes)
             grads = [jax.lax.pmean(g, data_axes) for g in grads]
-        return loss, [g[None] for g in grads]
+        out_pools = [p[None, None] for p in (*residual_buf, *stash_buf)] if given_pools else []
+        return loss, [g[None] for g in grads], out_pools
 
     mesh = low.mesh
     in_specs = (
@@ -727,14 +768,19 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
             for b in batch_leaves
         ],
         tuple(PartitionSpec(None, axis) for _ in xs),
+        [low.pool_spec] * len(pools or ()),
     )
     run = jax.shard_map(
         device_program,
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=(PartitionSpec(), [PartitionSpec(axis)] * len(staged.rows)),
+        out_specs=(
+            PartitionSpec(),
+            [PartitionSpec(axis)] * len(staged.rows),
+            [low.pool_spec] * len(pools or ()),
+        ),
         # Manual over every mesh axis: the other axes are data parallel, done by hand. Left to
-        # the compiler, they put collectives inside the switch branches, which only the
+        # the compiler, they put collectives inside the conditional branches, which only the
         # devices of one pipeline stage take; on XLA:CPU those collectives deadlock.
         axis_names={axis, *data_axes},
         # The stage jaxprs were traced outside the shard_map, so their equations carry no
@@ -743,7 +789,7 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
         # only the loss is psum-ed, everything else is per device.
         check_vma=False,
     )
-    args = (list(staged.rows), list(batch_leaves), xs)
+    args = (list(staged.rows), list(batch_leaves), xs, list(pools or ()))
     if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
         # Under explicit sharding shard_map takes inputs only when they already carry its
         # in_specs; reshard them (a no-op for inputs placed that way already).
@@ -753,5 +799,6 @@ def _run(low: Lowering, staged: StagedParams, batch_leaves: tuple[jax.Array, ...
             in_specs,
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
-    loss, grad_rows = run(*args)
-    return loss, StagedParams(grad_rows, staged.dtypes)
+    loss, grad_rows, out_pools = run(*args)
+    grads = StagedParams(grad_rows, staged.dtypes)
+    return (loss, grads) if pools is None else (loss, grads, out_pools)

@@ -79,6 +79,8 @@ class _Built:
     lowering: Lowering
     step: Callable[..., Any]  # jitted (params or staged, batch, key) -> (loss, grads)
     partitioner: str = "chain"  # the partitioner that made ``graph`` ("auto" resolved)
+    # jitted (params or staged, batch, key, pools) -> (loss, grads, pools), pools donated
+    step_with_pools: Callable[..., Any] | None = None
 
 
 def _avals(tree: Any) -> Any:
@@ -106,6 +108,7 @@ class Pipeline:
         w_mem: float = 0.5,
         partitioner: str = "auto",
         placement: Sequence[int] | None = None,
+        keep_buffers: bool | None = None,
     ):
         if axis_name not in mesh.axis_names:
             raise PipelineError(
@@ -152,6 +155,10 @@ class Pipeline:
         self.w_mem = w_mem
         self.partitioner = partitioner
         self.placement = None if placement is None else tuple(int(d) for d in placement)
+        if keep_buffers is None:
+            keep_buffers = all(d.platform == "cpu" for d in np.ravel(mesh.devices))
+        self.keep_buffers = bool(keep_buffers)
+        self._pools: dict[int, list] = {}  # id(_Built) -> slot pools kept between calls
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -169,6 +176,12 @@ class Pipeline:
         ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i``.
         """
         built = self._get(params, batch, key)
+        if self.keep_buffers and not _traced((params, batch, key)):
+            # The slot pools of the previous call are donated to this one, so no step spends
+            # time allocating and initialising them.
+            pools = self._pools.pop(id(built), None) or built.lowering.new_pools()
+            loss, grads, self._pools[id(built)] = built.step_with_pools(params, batch, key, pools)
+            return loss, grads
         return built.step(params, batch, key)
 
     def lower(self, params: Any, batch: Any, key: jax.Array | None = None) -> jax.stages.Lowered:
@@ -357,8 +370,10 @@ class Pipeline:
         programs = split(graph)
         schedule = self._schedule(graph, programs, parted.placement, kind)
         lowering = lower(graph, programs, schedule, self.mesh, self.axis_name)
-        step = jax.jit(self._step_fn(lowering, graph, key_aval is not None))
-        return _Built(graph, programs, schedule, lowering, step, kind)
+        step_fn = self._step_fn(lowering, graph, key_aval is not None)
+        step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
+        step_with_pools = jax.jit(step_fn, donate_argnums=3)
+        return _Built(graph, programs, schedule, lowering, step, kind, step_with_pools)
 
     def _partition(self, params_avals: Any, micro: Any, key_aval: Any) -> tuple[str, _Partitioned]:
         """Returns (the partitioner used, the stage graph and its placement if it chose one)."""
@@ -561,22 +576,30 @@ class Pipeline:
         m = self.num_microbatches
         treedef = self._params_treedef
 
-        def step(params, batch, key):
+        def step(params, batch, key, pools):
             staged_input = isinstance(params, StagedParams)
             staged = params if staged_input else stage_leaves(low.layout, jax.tree.leaves(params))
             stacked = split_microbatches(batch, m)
             if with_key:
                 stacked = (stacked, microbatch_keys(key, m))
             leaves = jax.tree.leaves(stacked)
-            loss, grads = low.step(staged, leaves)
+            if pools is None:
+                (loss, grads), pools = low.step(staged, leaves), None
+            else:
+                loss, grads, pools = low.step(staged, leaves, pools)
             grad_leaves = unstage_gradients(low.layout, _replicated(grads, self.mesh))
             if staged_input:
                 # Every copy of a tied leaf gets the summed gradient, so that an optimizer
                 # applied in the staged layout keeps the copies equal.
-                return loss, stage_leaves(low.layout, grad_leaves)
-            return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves)
+                return loss, stage_leaves(low.layout, grad_leaves), pools
+            return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves), pools
 
         return step
+
+
+def _traced(tree: Any) -> bool:
+    """Returns whether any leaf of ``tree`` is a tracer (the call is inside a user's trace)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _replicated(staged: StagedParams, mesh: Any) -> StagedParams:
@@ -632,6 +655,7 @@ def pipeline(
     w_mem: float = 0.5,
     partitioner: str = "auto",
     placement: Sequence[int] | None = None,
+    keep_buffers: bool | None = None,
 ) -> Pipeline:
     """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
 
@@ -657,6 +681,13 @@ def pipeline(
     ``placement`` (DAG schedules by name only) gives the device of each stage, e.g. to run a
     marker graph with more stages than devices; without it, the stage count must equal the pp
     axis size unless the graph partitioner placed the stages.
+
+    ``keep_buffers``: keep the step's residual and stash slots allocated between
+    ``value_and_grad`` calls (each call donates them to the next) instead of allocating them in
+    every step. Default: on CPU meshes, where XLA fills fresh slots with zeros (a memory pass
+    per step); off elsewhere, where allocating them costs nothing and the memory is better left
+    free between steps (for the optimizer's update). It applies to calls with concrete arrays;
+    inside a user's ``jax.jit`` the step allocates its slots itself.
     """
     return Pipeline(
         loss_fn,
@@ -670,4 +701,5 @@ def pipeline(
         w_mem=w_mem,
         partitioner=partitioner,
         placement=placement,
+        keep_buffers=keep_buffers,
     )
