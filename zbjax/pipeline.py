@@ -30,7 +30,9 @@ Choices a careful user would want to know:
 - Every other mesh axis is data parallel: each microbatch's rows are split evenly over those
   axes (the batch size must be a multiple of ``num_microbatches`` times their size), each
   shard runs the pipeline on its rows, and loss and grads are averaged over the shards.
-- Nothing is donated: the step returns gradients and leaves params to the caller's optimizer.
+- Params and batch are never donated: the step returns gradients and leaves params to the
+  caller's optimizer. Only the step's own slot pools are, between calls on CPU meshes
+  (``keep_buffers``).
 """
 
 from __future__ import annotations
