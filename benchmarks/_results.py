@@ -45,3 +45,14 @@ def write_section(name: str, body: str, path: str | Path = RESULTS_PATH) -> Path
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Returns ``path`` after saving the matplotlib figure ``fig`` there (laid out, 100 dpi)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

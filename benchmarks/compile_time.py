@@ -28,7 +28,7 @@ from zbjax import schedules
 from zbjax.ticks import lockstep_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
+from _results import save_figure, write_section
 from bw_split import machine_load
 
 from models import gpt
@@ -142,11 +142,7 @@ def plot(timings: Sequence[Timing], path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_title(f"{SCHEDULE}: lowered.compile() time")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

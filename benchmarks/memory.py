@@ -32,7 +32,7 @@ from zbjax.split import split
 from zbjax.stages import StageProgram
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
+from _results import save_figure, write_section
 from bw_split import machine_load
 
 from models import gpt
@@ -229,11 +229,7 @@ def plot(rows: Sequence[Row], path: Path) -> Path:
         ax.set_xlabel("microbatches m")
         ax.set_xscale("log", base=2)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -38,7 +38,7 @@ from zbjax.split import split
 from zbjax.ticks import lockstep_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
+from _results import save_figure, write_section
 from bw_split import backward_inputs, machine_load
 
 from models import mlp
@@ -230,9 +230,8 @@ def lockstep_time(
     for action, t in ticks.items():
         longest[t] = max(longest[t], costs.of(action, schedule.num_stages))
         busy[t] += 1
-    return sum(x * (slowdown if n > 1 else 1.0) for x, n in zip(longest, busy, strict=True)), (
-        num_ticks
-    )
+    stretched = [x * (slowdown if n > 1 else 1.0) for x, n in zip(longest, busy, strict=True)]
+    return sum(stretched), num_ticks
 
 
 @dataclass(frozen=True)
@@ -513,11 +512,7 @@ def plot(all_rows: Sequence[Row], path: Path) -> Path:
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set_title(f"m = {m}: step time / 1f1b")
     axes[0][0].legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

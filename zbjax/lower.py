@@ -205,12 +205,13 @@ def slot_layout(
     # Stash values W finds elsewhere: in the residual slot (if kept), a param or a batch leaf.
     elsewhere = [f is not None and (keep or residuals[f][0] != "residual") for f in forwarded]
     new_avals = [a for a, e in zip(program.stash_avals, elsewhere, strict=True) if not e]
-    written = iter(packing(new_avals, dtypes).items)
+    new = packing(new_avals, dtypes)
+    written = iter(new.items)
     stash = tuple(
         residuals[f] if e else ("stash", next(written))
         for f, e in zip(forwarded, elsewhere, strict=True)
     )
-    return SlotLayout(residuals, stash, stored.sizes, packing(new_avals, dtypes).sizes)
+    return SlotLayout(residuals, stash, stored.sizes, new.sizes)
 
 
 def _nbytes(aval: Any) -> int:
@@ -330,7 +331,9 @@ def lower(
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
-    slot_layouts, tables = _slots_and_tables(programs, slot_dtypes, schedule, graph)
+    slot_layouts, tables, (residual_capacity, stash_capacity) = _slots_and_tables(
+        programs, slot_dtypes, schedule, graph
+    )
     layout = staged_layout(
         graph.param_avals,
         [stage.param_leaves for stage in graph.stages],
@@ -353,8 +356,8 @@ def lower(
         axis_name=axis_name,
         slot_dtypes=slot_dtypes,
         slot_layouts=slot_layouts,
-        residual_capacity=_capacities(slot_layouts, tables)[0],
-        stash_capacity=_capacities(slot_layouts, tables)[1],
+        residual_capacity=residual_capacity,
+        stash_capacity=stash_capacity,
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
     )
@@ -381,8 +384,9 @@ def _capacities(
 
 def _slots_and_tables(
     programs: Sequence[StageProgram], dtypes: Sequence[str], schedule: Schedule, graph: StageGraph
-) -> tuple[tuple[SlotLayout, ...], TickTables]:
-    """Returns the slot layouts and tick tables that hold the fewest bytes of slots.
+) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Returns the slot layouts, tick tables and (residual, stash) slot sizes per dtype that
+    hold the fewest bytes of slots.
 
     Two candidates: every stage's W reads its residuals in the residual slot (which then lives
     until W; B copies nothing), or ``slot_layout``'s per-stage rule (B copies them into the
@@ -398,14 +402,14 @@ def _slots_and_tables(
             message_edges(graph),
             residuals_until_weight=[s.weight_reads_residuals for s in layouts],
         )
-        residual, stash = _capacities(layouts, tables)
+        capacities = _capacities(layouts, tables)
         size = (
-            _slot_bytes(dtypes, residual) * tables.num_residual_slots
-            + _slot_bytes(dtypes, stash) * tables.num_stash_slots
+            _slot_bytes(dtypes, capacities[0]) * tables.num_residual_slots
+            + _slot_bytes(dtypes, capacities[1]) * tables.num_stash_slots
         )
         if best is None or size < best[0]:
-            best = (size, layouts, tables)
-    return best[1], best[2]
+            best = (size, layouts, tables, capacities)
+    return best[1:]
 
 
 def residual_sources(program: StageProgram) -> tuple[tuple[str, int], ...]:
