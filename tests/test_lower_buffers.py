@@ -53,6 +53,31 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule):
     assert not copied_pools, f"pool buffers copied per tick: {copied_pools} (pools {pools})"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
+def test_every_action_runs_before_the_ticks_ppermute(schedule):
+    # An action that sends nothing (W, the last stage's F) must not be scheduled after the
+    # tick's collective: it would then run in the next tick, while the other devices wait.
+    text, _ = _compiled_text(schedule, 4)
+    loop_text = text[: text.index("\nENTRY ")]
+    bodies = [
+        c
+        for c in re.split(r"\n(?=\S)", loop_text)
+        if " collective-permute(" in c and " conditional(" in c
+    ]
+    assert len(bodies) == 1, "expected one tick body holding the conditionals and the ppermute"
+    lines = bodies[0].splitlines()
+    conds = [i for i, line in enumerate(lines) if " conditional(" in line]
+    permutes = [i for i, line in enumerate(lines) if " collective-permute(" in line]
+    assert len(conds) == len(pipe_actions(schedule)), (conds, schedule)
+    assert max(conds) < min(permutes), "an action is scheduled after the tick's ppermute"
+
+
+def pipe_actions(schedule: str) -> list:
+    """The (kind, stage) pairs the 2-stage pipeline of CFG runs: one conditional each."""
+    kinds = ("F", "BW") if schedule in ("gpipe", "1f1b") else ("F", "B", "W")
+    return [(k, s) for k in kinds for s in range(2)]
+
+
 def test_w_reads_residuals_in_place_only_when_it_needs_nearly_all_of_them():
     params = mlp.init_params(jax.random.key(0), CFG)
     microbatch = mlp.make_batch(jax.random.key(1), CFG, 8)

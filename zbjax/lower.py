@@ -486,6 +486,33 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
+    """Returns ``state`` with every payload depending on every buffer the tick's action wrote.
+
+    XLA orders a loop body by data dependencies only: an action that sends nothing (W, or F on
+    the last stage) may otherwise run after the ``ppermute``, in the next tick's time, where it
+    adds to that tick's action while the other devices wait at the next ``ppermute``. On a
+    2-device CPU mesh that made ticks last the sum of both devices' actions instead of the
+    larger one. ``optimization_barrier`` does not help: XLA:CPU drops it without ordering.
+    The dependency is one element of each written buffer, selected under a predicate that is
+    never true (action codes are not negative), so the payload's values never change.
+    """
+    written = [*state.residuals, *state.stash, *state.grads, state.loss]
+    parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in written if b.size]
+    if not parts:
+        return state
+    dep = jnp.sum(jnp.concatenate(parts))
+    never = code < 0
+    sends = [
+        [
+            p.at[:1].set(jnp.where(never, dep.astype(p.dtype), p[:1])) if p.size else p
+            for p in payloads
+        ]
+        for payloads in state.sends
+    ]
+    return dataclasses.replace(state, sends=sends)
+
+
 def _make_action(low: Lowering, kind: int, stage_index: int):
     """Returns the function running action ``kind`` of stage ``stage_index`` for one tick.
 
@@ -735,6 +762,7 @@ def _run(
             # Unlike one multi-way switch, this keeps the buffers in place on XLA.
             for i, action in enumerate(actions):
                 state = jax.lax.cond(code == i + 1, action, lambda state, ctx: state, state, ctx)
+            state = _finish_before_sending(state, code)
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):
                 payload = state.sends[k]
