@@ -33,16 +33,6 @@ def test_textbook_gpipe_equals_jax_grad():
     assert step_time.check_textbook(step_time.SMOKE_SETUP, mesh, 4) < 1e-5
 
 
-def test_on_every_device_runs_the_action_on_each_device_of_the_mesh():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (step_time.AXIS,))
-    run = step_time.on_every_device(lambda x: [x * 2.0, x + 1.0], mesh)
-    doubled, plus_one = run(np.arange(3.0, dtype=np.float32))
-    assert doubled.shape == (2, 3)
-    np.testing.assert_allclose(doubled, [[0.0, 2.0, 4.0]] * 2)
-    np.testing.assert_allclose(plus_one, [[1.0, 2.0, 3.0]] * 2)
-    assert {d for d in doubled.sharding.device_set} == set(jax.devices()[:2])
-
-
 @pytest.mark.parametrize("m", [2, 4])
 def test_gpipe_lockstep_time_is_ticks_times_slowest_action(m):
     # gpipe on 2 devices: m + 1 forward ticks (cost F) then m + 1 backward ticks (cost B + W).
