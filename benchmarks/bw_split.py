@@ -214,21 +214,23 @@ def _block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-def measure(case: Case, repeats: int) -> Measurement:
-    """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs."""
-    graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
-    programs = split(graph)
-    program = programs[case.stage_index]
-    args = backward_inputs(graph, programs, case.params, case.microbatch, case.stage_index)
-    num_in = sum(graph.stages[case.stage_index].input_differentiable)
-    num_residuals = len(program.residual_avals)
-    # As the lowering runs them: B outputs the input cotangents and the stash values W does not
-    # find elsewhere; W reads the others where they are (a kept residual slot, a param, a batch
-    # leaf), as ``zbjax.lower.slot_layout`` decides.
-    forwarded = [
+def stash_forwarded(program: Any) -> list[int | None]:
+    """Returns, per stash value W reads, the residual index it is read from (None: B writes it),
+    as the lowering lays the stash out (``zbjax.lower.slot_layout``)."""
+    return [
         f if where != "stash" else None
         for f, (where, _) in zip(forwarded_stash(program), slot_layout(program).stash, strict=True)
     ]
+
+
+def lowered_b_and_w(program: Any, num_in: int) -> tuple[Any, Any]:
+    """Returns B and W of ``program`` jitted as the lowering runs them.
+
+    B(*backward args) returns (input cotangents, the stash values W does not find elsewhere);
+    W(residuals, those values) reads the others where they are (a kept residual slot, a param,
+    a batch leaf), as ``zbjax.lower.slot_layout`` decides.
+    """
+    forwarded = stash_forwarded(program)
     b_program = jaxpr_as_fun(program.backward_input)
     w_program = jaxpr_as_fun(program.backward_weight)
 
@@ -244,6 +246,19 @@ def measure(case: Case, repeats: int) -> Measurement:
         stash = [next(computed) if f is None else residuals[f] for f in forwarded]
         return w_program(*stash)
 
+    return backward_input, backward_weight
+
+
+def measure(case: Case, repeats: int) -> Measurement:
+    """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs."""
+    graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
+    programs = split(graph)
+    program = programs[case.stage_index]
+    args = backward_inputs(graph, programs, case.params, case.microbatch, case.stage_index)
+    num_in = sum(graph.stages[case.stage_index].input_differentiable)
+    num_residuals = len(program.residual_avals)
+    forwarded = stash_forwarded(program)
+    backward_input, backward_weight = lowered_b_and_w(program, num_in)
     backward = jax.jit(jaxpr_as_fun(program.backward))
     residuals = args[:num_residuals]
 

@@ -2,9 +2,9 @@
 
 Three parts, in this order, written to finish in under 5 minutes on one H100/H200-class GPU:
 
-1. **Per-tick overhead** of the lowered tick loop (a ``lax.switch`` inside a ``lax.scan`` may
-   cost a host round trip per tick on a GPU): gpipe steps of a width-8 MLP, one layer per
-   device, at m in {4, 16, 64}, step time regressed on the number of ticks.
+1. **Per-tick overhead** of the lowered tick loop (a ``lax.cond`` per action inside a
+   ``lax.scan`` may cost a host round trip per tick on a GPU): gpipe steps of a width-8 MLP,
+   one layer per device, at m in {4, 16, 64}, step time regressed on the number of ticks.
 2. **B/W split overhead** (``bw_split.py``) at width 4096: B-then-W against fused BW for each
    reference stage, alternating, median ratio, matmul FLOPs.
 3. **Memory** (``memory.py``) at width 4096: with 4 or more GPUs, the compiled per-device memory
