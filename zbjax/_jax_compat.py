@@ -111,6 +111,52 @@ def inline_calls(closed: ClosedJaxpr, *, inline_remat: bool = True) -> ClosedJax
     return jax.make_jaxpr(run)(*avals)
 
 
+def vmap_independent_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Returns an equivalent ClosedJaxpr whose top-level carry-less ``scan``s are ``vmap``s.
+
+    A scan without carries runs independent iterations: W's scan over a stage's layers, which
+    only turns each layer's stashed values into that layer's weight gradient. As a loop it reads
+    every iteration's slice of the stacked stash through a copy; as one batched computation
+    it does not, and XLA batches the per-layer matmuls. Its temporaries then hold every
+    iteration at once, but W's per-layer values are already stacked in its inputs, so they are
+    of the stash's size. Iteration order cannot matter without a carry, so ``reverse`` is moot.
+    A body that has no batching rule keeps its scan.
+    """
+    avals = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in closed.in_avals
+    ]
+
+    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+        params = eqn.params
+        if eqn.primitive.name == "scan" and params["num_carry"] == 0 and params["length"] > 0:
+            consts, xs = invals[: params["num_consts"]], invals[params["num_consts"] :]
+            body = params["jaxpr"]
+
+            def one(*x: Any) -> list[Any]:
+                return _run_closed(body, [*consts, *x])
+
+            try:
+                return list(jax.vmap(one)(*xs))
+            except NotImplementedError:  # a primitive without a batching rule
+                pass
+        outs = _bind_like(eqn, invals)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    def run(*args: Any) -> list[Any]:
+        return _interpret(closed.jaxpr, closed.consts, args, eval_equation)
+
+    return jax.make_jaxpr(run)(*avals)
+
+
+def _run_closed(body: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+        outs = _bind_like(eqn, invals)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    return _interpret(body.jaxpr, body.consts, args, eval_equation)
+
+
 def _interpret(
     jaxpr: Jaxpr,
     consts: Sequence[Any],

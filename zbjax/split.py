@@ -40,6 +40,7 @@ from zbjax._jax_compat import (
     make_closed_jaxpr,
     new_var,
     replace_equation,
+    vmap_independent_scans,
 )
 from zbjax.cost_model import avals_bytes, jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
@@ -56,6 +57,7 @@ def split_stage(stage: Stage) -> StageProgram:
     roles = _differentiation_roles(stage)
     forward, backward = _forward_and_backward(stage, roles)
     backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
+    backward_weight = vmap_independent_scans(backward_weight)
     residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
     stash_avals = tuple(_sds(a) for a in backward_weight.in_avals)
     num_params = len(stage.param_leaves)
