@@ -198,6 +198,32 @@ def test_mlp_stage_b_then_w_equals_vjp_and_splits_matmuls_evenly():
     assert program.cost_backward_weight > 0 and program.cost_backward_input > 0
 
 
+def test_bias_gradient_is_summed_in_b_and_w_keeps_only_the_matmuls():
+    # b1's gradient is a sum over the batch of the cotangent B has just computed: B sums it
+    # while the value is in cache and stashes the small result, so W reads the cotangent once,
+    # for its matmul only.
+    params, _ = _mlp_args()
+    program = run_and_check(mlp, params, [], [_normal(4, (64, D))])
+    w_kinds = {e.primitive.name for e in program.backward_weight.jaxpr.eqns}
+    assert "reduce_sum" not in w_kinds and "dot_general" in w_kinds
+    assert any(e.primitive.name == "reduce_sum" for e in program.backward_input.jaxpr.eqns)
+    assert (H,) in [a.shape for a in program.stash_avals]
+
+
+def test_a_sum_over_a_value_w_also_multiplies_stays_in_w():
+    # Without an input cotangent, B computes nothing; the bias gradient's operand (the
+    # cotangent through tanh) is also W's matmul operand, so moving the sum to B would compute
+    # that product twice: the sum stays in W, and B stays empty.
+    def dense_tanh(w, b, x):
+        return (jnp.tanh(x @ w + b),)
+
+    params = [_normal(90, (D, H)), _normal(91, (H,))]
+    program = run_and_check(dense_tanh, params, [], [_normal(92, (64, D))], [False])
+    assert not program.backward_input.jaxpr.eqns
+    w_kinds = {e.primitive.name for e in program.backward_weight.jaxpr.eqns}
+    assert {"reduce_sum", "dot_general", "mul"} <= w_kinds
+
+
 def test_transformer_block_with_layer_norm_softmax_and_einsum():
     params, inputs = _block_args()
     program = run_and_check(block, params, [], inputs)

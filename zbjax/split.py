@@ -296,6 +296,12 @@ def _split_backward(backward: ClosedJaxpr, num_input_cts: int) -> tuple[ClosedJa
     b_eqns = [eqns[i] for i in sorted(in_b)]
     w_eqns = [eqns[i] for i in sorted(in_w)]
     b_defined = set(jaxpr.invars).union(*(_defined(e) for e in b_eqns))
+    hoisted = _small_reductions(w_eqns, b_defined | set(jaxpr.constvars), w_out)
+    if hoisted:
+        b_eqns += [e for e in w_eqns if id(e) in hoisted]
+        w_eqns = [e for e in w_eqns if id(e) not in hoisted]
+        b_defined = b_defined.union(*(_defined(e) for e in b_eqns))
+        w_needed = _read_vars(w_eqns, w_out)
     # Deterministic stash order: B's inputs first, then values in the order B computes them.
     candidates = list(jaxpr.invars) + [v for e in b_eqns for v in e.outvars]
     stash = list(dict.fromkeys(v for v in candidates if v in w_needed and v in b_defined))
@@ -305,6 +311,74 @@ def _split_backward(backward: ClosedJaxpr, num_input_cts: int) -> tuple[ClosedJa
     )
     w = make_closed_jaxpr(stash, w_out, w_eqns, *_used_consts(constvars, consts, w_eqns, w_out))
     return b, w
+
+
+# Cheap equations W may hand to B: elementwise arithmetic, reductions and reshapes.
+_CHEAP = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "neg",
+        "div",
+        "reduce_sum",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+    }
+)
+# A reduction moves to B when its result is at most this fraction of its largest source.
+_SMALL_FRACTION = 1 / 8
+
+
+def _small_reductions(w_eqns: Sequence[Any], available: set, w_out: Sequence[Any]) -> set[int]:
+    """Returns the ids of W equations to run in B instead: chains of cheap equations over
+    values B already has that end in a W output much smaller than what they read (a bias or
+    layer-norm gradient: a sum over the batch of a stashed cotangent).
+
+    B has those values in cache when it computes them; W would read them back from memory
+    only for these sums. A chain moves only when nothing else in W reads its intermediate
+    values, so no work is done twice and the stash only gains the small results.
+    """
+    produced_by: dict[Any, Any] = {}
+    sources: dict[Any, int] = {}  # cheap-chain value -> size of its largest available source
+    for eqn in w_eqns:
+        if eqn.primitive.name not in _CHEAP or eqn.effects:
+            continue
+        reads = [v for v in eqn.invars if not is_literal(v)]
+        if not all(v in available or v in sources for v in reads):
+            continue
+        largest = max([sources[v] if v in sources else int(v.aval.size) for v in reads], default=0)
+        for v in _defined(eqn):
+            sources[v] = largest
+            produced_by[v] = eqn
+    readers: dict[Any, set[int]] = {}
+    for eqn in w_eqns:
+        for v in eqn.invars:
+            if not is_literal(v):
+                readers.setdefault(v, set()).add(id(eqn))
+    roots = [
+        v
+        for v in dict.fromkeys(v for v in w_out if not is_literal(v))
+        if v in produced_by and v.aval.size <= _SMALL_FRACTION * sources[v]
+    ]
+    hoisted: set[int] = set()
+    for root in roots:
+        chain: dict[int, Any] = {}
+        stack = [root]
+        while stack:
+            eqn = produced_by[stack.pop()]
+            if id(eqn) in chain:
+                continue
+            chain[id(eqn)] = eqn
+            stack += [v for v in eqn.invars if not is_literal(v) and v in produced_by]
+        inner = {v for e in chain.values() for v in _defined(e)} - {root}
+        if all(readers.get(v, set()) <= chain.keys() and v not in w_out for v in inner):
+            hoisted |= chain.keys()
+    return hoisted
 
 
 def _scan_to_split(
