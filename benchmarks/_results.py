@@ -6,9 +6,14 @@ again replaces it in place and leaves every other section alone.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 RESULTS_PATH = Path(__file__).resolve().with_name("RESULTS.md")
 
@@ -56,3 +61,18 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def pin_to_one_core() -> None:
+    """Pins this process to one core; call it before the first JAX computation, so that XLA's
+    threads inherit the affinity."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def run_pinned_copy(script: str, json_flag: str, *args: str) -> Any:
+    """Returns the JSON that a copy of ``script``, run with ``args`` and ``json_flag PATH``,
+    writes to PATH (the copy pins itself to one core when given that flag)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, script, *args, json_flag, str(out)], check=True)
+        return json.loads(out.read_text())

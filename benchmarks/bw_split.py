@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from zbjax.split import forwarded_stash, split
 from zbjax.stages import StageGraph, StageProgram
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section  # noqa: E402
+from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E402
 
 COMMAND = "python benchmarks/bw_split.py"
 TARGET_RATIO = 1.05
@@ -364,11 +363,7 @@ def measure_all(repeats: int) -> list[Measurement]:
 
 def one_core_ratios(repeats: int) -> dict[str, float]:
     """Returns per case the ratio measured by a copy of this script pinned to one core."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ratios.json"
-        command = [sys.executable, __file__, "--repeats", str(repeats), "--one-core-json", str(out)]
-        subprocess.run(command, check=True)
-        return json.loads(out.read_text())
+    return run_pinned_copy(__file__, "--one-core-json", "--repeats", str(repeats))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -383,8 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.one_core_json is not None:
-        # Before the first JAX computation, so XLA's threads inherit the affinity.
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        pin_to_one_core()
         ratios = {m.label: m.ratio for m in measure_all(args.repeats)}
         args.one_core_json.write_text(json.dumps(ratios))
         return 0

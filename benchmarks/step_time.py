@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +39,7 @@ from zbjax.split import split
 from zbjax.ticks import lockstep_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import save_figure, write_section
+from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
 from bw_split import backward_inputs, lowered_b_and_w, machine_load
 
 from models import mlp
@@ -343,11 +341,7 @@ def forward_alone(setup: Setup, repeats: int = 30) -> float:
 
 def forward_one_core(setup: Setup, repeats: int = 30) -> float:
     """Returns ``forward_alone`` measured by a copy of this script pinned to one core."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "one_core.json"
-        command = [sys.executable, __file__, "--one-core-forward-json", str(out)]
-        subprocess.run(command, check=True)
-        return float(json.loads(out.read_text())["seconds"])
+    return float(run_pinned_copy(__file__, "--one-core-forward-json")["seconds"])
 
 
 def parallel_slowdown(
@@ -568,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.one_core_forward_json is not None:
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        pin_to_one_core()
         seconds = forward_alone(Setup())
         args.one_core_forward_json.write_text(json.dumps({"seconds": seconds}))
         return 0

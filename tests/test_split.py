@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
-from zbjax._jax_compat import eval_closed_jaxpr
+from zbjax._jax_compat import eval_closed_jaxpr, vmap_independent_scans
 from zbjax.cost_model import jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
 from zbjax.split import forwarded_residuals, split, split_stage
@@ -256,6 +256,30 @@ def test_scan_over_stacked_weights_splits_the_backward_scan():
     assert batched, "W's weight gradients should be dots batched over the layers"
     assert program.flops_backward_weight == program.flops_forward
     assert program.flops_backward_input == program.flops_forward
+
+
+def test_a_w_scan_whose_body_has_no_batching_rule_stays_a_scan():
+    # vmap_independent_scans batches a carry-less scan only when every primitive in its body
+    # can be batched; otherwise the scan is kept as it is.
+    no_rule = Primitive("zbjax_test_no_batching_rule")
+    no_rule.def_impl(lambda x: 2.0 * x)
+    no_rule.def_abstract_eval(lambda x: x)
+
+    def scans(xs, ys):
+        def body(_, x):
+            return None, (no_rule.bind(x[0]), x[1] * 3.0)
+
+        return jax.lax.scan(body, None, (xs, ys))[1]
+
+    def plain(xs, ys):
+        return jax.lax.scan(lambda _, x: (None, x[0] * x[1]), None, (xs, ys))[1]
+
+    args = (jnp.ones((3, 2)), jnp.ones((3, 2)))
+    kept = vmap_independent_scans(jax.make_jaxpr(scans)(*args))
+    assert [e.primitive.name for e in kept.jaxpr.eqns] == ["scan"]
+    batched = vmap_independent_scans(jax.make_jaxpr(plain)(*args))
+    assert "scan" not in [e.primitive.name for e in batched.jaxpr.eqns]
+    _close(jaxpr_as_fun(batched)(*args), [plain(*args)])
 
 
 def test_loss_stage_with_seed_cotangent_and_int_labels_from_the_batch():

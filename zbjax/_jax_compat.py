@@ -19,6 +19,7 @@ from jax.extend.core import (
     Jaxpr,
     Literal,
     Var,
+    jaxpr_as_fun,
     new_jaxpr_eqn,
 )
 
@@ -100,15 +101,11 @@ def inline_calls(closed: ClosedJaxpr, *, inline_remat: bool = True) -> ClosedJax
     equation that computes several independent results. Re-traces the jaxpr; values and
     equation order are unchanged.
     """
-    avals = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-        for a in closed.in_avals
-    ]
 
     def run(*args: Any) -> list[Any]:
         return _eval_inlined(closed.jaxpr, closed.consts, args, inline_remat)
 
-    return jax.make_jaxpr(run)(*avals)
+    return jax.make_jaxpr(run)(*_shape_structs(closed.in_avals))
 
 
 def vmap_independent_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -120,41 +117,48 @@ def vmap_independent_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
     it does not, and XLA batches the per-layer matmuls. Its temporaries then hold every
     iteration at once, but W's per-layer values are already stacked in its inputs, so they are
     of the stash's size. Iteration order cannot matter without a carry, so ``reverse`` is moot.
-    A body that has no batching rule keeps its scan.
+    A body with a primitive that has no batching rule keeps its scan.
     """
-    avals = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-        for a in closed.in_avals
-    ]
+    if not any(_independent_scan(eqn) for eqn in closed.jaxpr.eqns):
+        return closed  # nothing to batch: skip the re-trace
 
     def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
         params = eqn.params
-        if eqn.primitive.name == "scan" and params["num_carry"] == 0 and params["length"] > 0:
-            consts, xs = invals[: params["num_consts"]], invals[params["num_consts"] :]
-            body = params["jaxpr"]
-
-            def one(*x: Any) -> list[Any]:
-                return _run_closed(body, [*consts, *x])
-
-            try:
-                return list(jax.vmap(one)(*xs))
-            except NotImplementedError:  # a primitive without a batching rule
-                pass
+        if _independent_scan(eqn):
+            batched = _batched_body(params["jaxpr"], params["num_consts"], eqn.invars)
+            if batched is not None:
+                return jaxpr_as_fun(batched)(*invals)
         outs = _bind_like(eqn, invals)
         return outs if eqn.primitive.multiple_results else [outs]
 
     def run(*args: Any) -> list[Any]:
         return _interpret(closed.jaxpr, closed.consts, args, eval_equation)
 
-    return jax.make_jaxpr(run)(*avals)
+    return jax.make_jaxpr(run)(*_shape_structs(closed.in_avals))
 
 
-def _run_closed(body: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
-    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
-        outs = _bind_like(eqn, invals)
-        return outs if eqn.primitive.multiple_results else [outs]
+def _independent_scan(eqn: Any) -> bool:
+    params = eqn.params
+    return eqn.primitive.name == "scan" and params["num_carry"] == 0 and params["length"] > 0
 
-    return _interpret(body.jaxpr, body.consts, args, eval_equation)
+
+def _batched_body(body: ClosedJaxpr, num_consts: int, invars: Sequence[Any]) -> Any:
+    """Returns ``body`` vmapped over the scanned operands (consts shared), as a ClosedJaxpr
+    taking the scan's operands; None when a primitive in it has no batching rule."""
+    num_xs = len(invars) - num_consts
+    batched = jax.vmap(jaxpr_as_fun(body), in_axes=(None,) * num_consts + (0,) * num_xs)
+    try:
+        # Traced on its own, so a failure leaves nothing behind in the caller's trace.
+        return jax.make_jaxpr(batched)(*_shape_structs([v.aval for v in invars]))
+    except NotImplementedError:  # "Batching rule for '...' not implemented"
+        return None
+
+
+def _shape_structs(avals: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
+    return [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in avals
+    ]
 
 
 def _interpret(
