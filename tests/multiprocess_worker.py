@@ -1,0 +1,103 @@
+"""One process of ``test_multiprocess.py``: a pipeline over two processes through jax.distributed.
+
+Run as ``python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON``. Each
+process has 2 CPU devices and joins the others over gloo; the 4 devices form a (pp=2, data=2)
+mesh twice: with the pp axis across the processes (every ppermute crosses them) and with the
+data axis across them (the gradient mean crosses them, and each process loads only its half of
+the batch). Every case's loss and gradients are compared with ``jax.value_and_grad`` of the
+unpipelined loss on this process's first device; the results go to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+process_id, num_processes, port, out_path = (
+    int(sys.argv[1]),
+    int(sys.argv[2]),
+    sys.argv[3],
+    sys.argv[4],
+)
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=120,
+)
+
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import zbjax  # noqa: E402
+from models import mlp  # noqa: E402
+
+MICROBATCHES = 4
+ROWS = 32
+
+
+def max_error(grads, reference) -> float:
+    """Returns the largest absolute difference between two grad trees (global arrays first)."""
+    got = [np.asarray(g.addressable_data(0)) for g in jax.tree.leaves(grads)]
+    want = [np.asarray(r) for r in jax.tree.leaves(reference)]
+    return max(float(np.abs(a - b).max()) for a, b in zip(got, want, strict=True))
+
+
+def process_local(mesh: Mesh, batch):
+    """Returns ``batch`` as a global array sharded over "data", built from this process's rows
+    only, as a multi-host input pipeline makes it (the data axis must span the processes)."""
+    half = ROWS // num_processes
+    rows = slice(process_id * half, (process_id + 1) * half)
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, x[rows], x.shape), batch
+    )
+
+
+def main() -> None:
+    cfg = mlp.MLPConfig(in_dim=8, width=16, depth=4, out_dim=8, stage_boundaries=())
+    loss_fn = mlp.make_loss_fn(cfg)
+    # Every process builds the same params and batch from the same keys.
+    params = jax.tree.map(np.asarray, mlp.init_params(jax.random.key(0), cfg))
+    batch = jax.tree.map(np.asarray, mlp.make_batch(jax.random.key(1), cfg, ROWS))
+    local = jax.local_devices()[0]
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(
+        jax.device_put(params, local), jax.device_put(batch, local)
+    )
+    devices = np.array(jax.devices())  # process 0's two devices, then process 1's
+    meshes = {
+        "pp across processes": Mesh(devices.reshape(2, 2), ("pp", "data")),
+        "data across processes": Mesh(devices.reshape(2, 2).T, ("pp", "data")),
+    }
+    results = []
+    for mesh_name, mesh in meshes.items():
+        for schedule in ("1f1b", "zb-h2", "zb-v"):
+            pipe = zbjax.pipeline(
+                loss_fn, mesh=mesh, schedule=schedule, num_microbatches=MICROBATCHES
+            )
+            staged = pipe.stage(params, batch)
+            inputs = {"user params": (params, batch), "staged params": (staged, batch)}
+            if mesh_name == "data across processes":
+                inputs["process-local batch"] = (staged, process_local(mesh, batch))
+            for input_name, (p, b) in inputs.items():
+                loss, grads = pipe.value_and_grad(p, b)
+                if p is staged:
+                    grads = pipe.unstage(grads)
+                results.append(
+                    {
+                        "case": f"{mesh_name}, {schedule}, {input_name}",
+                        "loss": float(loss),
+                        "reference_loss": float(ref_loss),
+                        "max_grad_error": max_error(grads, ref_grads),
+                    }
+                )
+    with open(out_path, "w") as f:
+        json.dump({"process_id": process_id, "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
