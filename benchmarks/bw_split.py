@@ -183,7 +183,7 @@ def backward_inputs(
     sent: dict[int, list[Any]] = {}
     for stage in graph.stages[: stage_index + 1]:
         args = (
-            [param_leaves[i] for i in stage.param_leaves]
+            stage.param_inputs(param_leaves)
             + [batch_leaves[i] for i in stage.batch_leaves]
             + [v for e in stage.in_edges for v in sent[e]]
         )

@@ -202,7 +202,7 @@ def measured_costs(
         backward_input, backward_weight = lowered_b_and_w(program, num_in)
         new = backward_input(*args)[1]
         residuals = args[: len(program.residual_avals)]
-        forward_args = [param_leaves[i] for i in stage.param_leaves] + [
+        forward_args = stage.param_inputs(param_leaves) + [
             batch_leaves[i] for i in stage.batch_leaves
         ]
         in_avals = program.forward.in_avals[len(forward_args) :]

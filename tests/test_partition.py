@@ -28,7 +28,7 @@ def _run_stages(graph, params, microbatch):
     sent = {}
     for stage in graph.stages:
         args = (
-            [param_leaves[i] for i in stage.param_leaves]
+            stage.param_inputs(param_leaves)
             + [batch_leaves[i] for i in stage.batch_leaves]
             + [v for e in stage.in_edges for v in sent[e]]
         )
@@ -202,13 +202,24 @@ def test_auto_cut_splits_a_scan_over_layers_across_stages():
         sum(e.primitive.name == "scan" for e in stage.jaxpr.jaxpr.eqns) for stage in graph.stages
     ]
     assert sum(scans) >= 2 and sum(1 for n in scans if n) >= 2, scans
-    # Every stage that runs iterations reads the whole stacked param leaves.
+    # Every stage that runs iterations reads the stacked param leaves' rows of those iterations
+    # only, and the stages' rows tile the 4 layers without overlap (nothing is tied).
     stacked = [
         i for i, leaf in enumerate(jax.tree_util.tree_leaves(params)) if leaf.shape[:1] == (4,)
     ]
+    covered = {leaf: [] for leaf in stacked}
     for stage, n in zip(graph.stages, scans, strict=True):
         if n:
             assert set(stacked) <= set(stage.param_leaves)
+        rows = dict(zip(stage.param_leaves, stage.param_slices(), strict=True))
+        for leaf in set(stacked) & set(rows):
+            assert rows[leaf] is not None, (stage.name, leaf)
+            covered[leaf].append(rows[leaf])
+    for ranges in covered.values():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == 4, ranges
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
+    assert not set(graph.tied_params) & set(stacked)
     np.testing.assert_allclose(
         run_stages(graph, params, batch), jax.jit(loss_fn)(params, batch), rtol=RTOL, atol=ATOL
     )

@@ -190,7 +190,7 @@ class _Runner:
         fns = self.fns[s]
         if action.kind == "F":
             args = (
-                [self.params[leaf] for leaf in stage.param_leaves]
+                stage.param_inputs(self.params)
                 + [self.batch[leaf][i] for leaf in stage.batch_leaves]
                 + [v for e in stage.in_edges for v in self.sent.pop((e, i))]
             )
@@ -246,9 +246,13 @@ class _Runner:
                 f"{stage.name}: W returned {len(param_cts)} param cotangents for "
                 f"{len(stage.param_leaves)} param leaves; the stage program is inconsistent"
             )
-        # A tied leaf read by several stages receives the sum of their contributions.
-        for leaf, ct in zip(stage.param_leaves, param_cts, strict=True):
-            self.grads[leaf] = self.grads[leaf] + ct
+        # A tied leaf read by several stages receives the sum of their contributions; a stage
+        # reading some rows of a leaf adds to those rows.
+        for leaf, rows, ct in zip(stage.param_leaves, stage.param_slices(), param_cts, strict=True):
+            if rows is None:
+                self.grads[leaf] = self.grads[leaf] + ct
+            else:
+                self.grads[leaf] = self.grads[leaf].at[rows[0] : rows[1]].add(ct)
 
     def _check_complete(self) -> None:
         missing = [

@@ -339,6 +339,7 @@ def lower(
         [stage.param_leaves for stage in graph.stages],
         schedule.placement,
         schedule.num_devices,
+        [stage.param_slices() for stage in graph.stages],
     )
     edge_avals = [v for e in graph.edges for v in e.values]
     message_dtypes = _union_dtypes(edge_avals)

@@ -11,6 +11,11 @@ A leaf read by stages on two devices (a tied embedding) is stored in both rows; 
 two stages of one device is stored once per stage. Its gradient is the sum of all copies.
 Leaves no stage reads are kept at the end of row 0 so that ``unstage(stage(params))`` gives
 the params back; their gradient is zero.
+
+A stage that reads only some rows of a leaf's leading axis (``Stage.param_rows``: the layers of
+a stacked scan parameter that its share of the scan's iterations use) stores only those rows, so
+a pipeline over an ``nn.scan`` model holds each layer's weights on one device. Rows no stage
+reads are kept at the end of row 0, like unread leaves.
 """
 
 from __future__ import annotations
@@ -30,13 +35,22 @@ def dtype_name(dtype) -> str:
 
 @dataclass(frozen=True)
 class LeafSlot:
-    """Where one copy of a param leaf sits: its dtype's row, offset in the row, and shape."""
+    """Where one copy of a param leaf sits: its dtype's row, offset in the row, and shape.
+
+    ``rows`` is None for a copy of the whole leaf, else the [begin, end) rows of the leaf's
+    leading axis the copy holds (``shape`` is then the shape of those rows).
+    """
 
     leaf: int
     dtype: str
     offset: int
     size: int
     shape: tuple[int, ...]
+    rows: tuple[int, int] | None = None
+
+    def value(self, leaf: jax.Array) -> jax.Array:
+        """Returns the part of the whole ``leaf`` this copy holds."""
+        return leaf if self.rows is None else leaf[self.rows[0] : self.rows[1]]
 
 
 @dataclass(frozen=True)
@@ -78,41 +92,73 @@ class StagedLayout:
         )
 
 
+def _slot(
+    leaf: int, aval: jax.ShapeDtypeStruct, rows: tuple[int, int] | None, dtypes, fill: list[int]
+) -> LeafSlot:
+    """Returns a slot for ``rows`` of ``leaf`` at the end of a device row; advances ``fill``."""
+    shape = tuple(aval.shape) if rows is None else (rows[1] - rows[0], *aval.shape[1:])
+    k = dtypes.index(dtype_name(aval.dtype))
+    size = int(np.prod(shape, dtype=np.int64))
+    slot = LeafSlot(leaf, dtypes[k], fill[k], size, shape, rows)
+    fill[k] += size
+    return slot
+
+
+def _unread_rows(
+    num_rows: int, reads: Sequence[tuple[int, int] | None]
+) -> list[tuple[int, int] | None]:
+    """Returns the row ranges of a leaf that none of ``reads`` covers (None: the whole leaf)."""
+    if not reads:
+        return [None]
+    if any(r is None for r in reads):
+        return []
+    gaps, pos = [], 0
+    for begin, end in sorted(reads):
+        if begin > pos:
+            gaps.append((pos, begin))
+        pos = max(pos, end)
+    if pos < num_rows:
+        gaps.append((pos, num_rows))
+    return gaps
+
+
 def staged_layout(
     param_avals: Sequence[jax.ShapeDtypeStruct],
     stage_param_leaves: Sequence[Sequence[int]],
     placement: Sequence[int],
     num_devices: int,
+    stage_param_rows: Sequence[Sequence[tuple[int, int] | None]] | None = None,
 ) -> StagedLayout:
-    """Returns the row layout for stages reading ``stage_param_leaves`` placed on devices."""
+    """Returns the row layout for stages reading ``stage_param_leaves`` placed on devices.
+
+    ``stage_param_rows[s][j]`` (default: all None) is the row range of leaf
+    ``stage_param_leaves[s][j]`` that stage ``s`` reads (``Stage.param_rows``), None for all.
+    """
     param_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in param_avals)
+    if stage_param_rows is None:
+        stage_param_rows = [[None] * len(leaves) for leaves in stage_param_leaves]
     dtypes = tuple(sorted({dtype_name(a.dtype) for a in param_avals}))
     fill = [[0] * len(dtypes) for _ in range(num_devices)]
     stage_offset = []
     stage_slots = []
     capacity = [0] * len(dtypes)
-    for s, leaves in enumerate(stage_param_leaves):
+    reads: dict[int, list[tuple[int, int] | None]] = {}
+    for s, (leaves, rows) in enumerate(zip(stage_param_leaves, stage_param_rows, strict=True)):
         row = fill[placement[s]]
         start = list(row)
         slots = []
-        for leaf in leaves:
-            aval = param_avals[leaf]
-            k = dtypes.index(dtype_name(aval.dtype))
-            size = int(np.prod(aval.shape, dtype=np.int64))
-            slots.append(LeafSlot(leaf, dtypes[k], row[k], size, tuple(aval.shape)))
-            row[k] += size
+        for leaf, leaf_rows in zip(leaves, rows, strict=True):
+            slots.append(_slot(leaf, param_avals[leaf], leaf_rows, dtypes, row))
+            reads.setdefault(leaf, []).append(leaf_rows)
         for k in range(len(dtypes)):
             capacity[k] = max(capacity[k], row[k] - start[k])
         stage_offset.append(tuple(start))
         stage_slots.append(tuple(slots))
-    read = {leaf for leaves in stage_param_leaves for leaf in leaves}
-    unread = []
-    for leaf, aval in enumerate(param_avals):
-        if leaf not in read:
-            k = dtypes.index(dtype_name(aval.dtype))
-            size = int(np.prod(aval.shape, dtype=np.int64))
-            unread.append(LeafSlot(leaf, dtypes[k], fill[0][k], size, tuple(aval.shape)))
-            fill[0][k] += size
+    unread = [
+        _slot(leaf, aval, rows, dtypes, fill[0])
+        for leaf, aval in enumerate(param_avals)
+        for rows in _unread_rows(aval.shape[0] if aval.shape else 1, reads.get(leaf, []))
+    ]
     row_size = [max(fill[d][k] for d in range(num_devices)) for k in range(len(dtypes))]
     for s in range(len(stage_param_leaves)):
         for k in range(len(dtypes)):
@@ -161,7 +207,7 @@ def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedPar
         k = layout.dtype_index(slot.dtype)
         if slot.offset > fill[device][k]:
             pieces[k][device].append(jnp.zeros(slot.offset - fill[device][k], slot.dtype))
-        pieces[k][device].append(jnp.ravel(jnp.asarray(leaves[slot.leaf], slot.dtype)))
+        pieces[k][device].append(jnp.ravel(jnp.asarray(slot.value(leaves[slot.leaf]), slot.dtype)))
         fill[device][k] = slot.offset + slot.size
     rows = []
     for k, dt in enumerate(layout.dtypes):
@@ -179,21 +225,52 @@ def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, sl
     return rows[k][device, slot.offset : slot.offset + slot.size].reshape(slot.shape)
 
 
-def unstage_leaves(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
-    """Returns the flat param leaves stored in ``staged`` (the first copy of a tied leaf)."""
-    out: list = [None] * len(layout.param_avals)
+def _copies_by_leaf(layout: StagedLayout) -> list[list[tuple[int, LeafSlot]]]:
+    by_leaf: list[list[tuple[int, LeafSlot]]] = [[] for _ in layout.param_avals]
     for device, slot in layout.copies():
-        if out[slot.leaf] is None:
-            out[slot.leaf] = _slot_value(staged.rows, layout, device, slot)
+        by_leaf[slot.leaf].append((device, slot))
+    return by_leaf
+
+
+def unstage_leaves(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
+    """Returns the flat param leaves stored in ``staged`` (the first copy of a tied leaf; a
+    leaf stored in row ranges is put together from them, first copy of every row)."""
+    out: list = []
+    for copies in _copies_by_leaf(layout):
+        whole = [(d, slot) for d, slot in copies if slot.rows is None]
+        if whole:
+            out.append(_slot_value(staged.rows, layout, *whole[0]))
+            continue
+        pieces, pos = [], 0
+        for device, slot in sorted(copies, key=lambda c: c[1].rows):
+            begin, end = slot.rows
+            if end > pos:
+                pieces.append(_slot_value(staged.rows, layout, device, slot)[pos - begin :])
+                pos = end
+        out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
     return out
 
 
 def unstage_gradients(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
-    """Returns flat param gradients from staged ones: the sum over every copy of a leaf."""
-    out: list = [None] * len(layout.param_avals)
-    for device, slot in layout.copies():
-        value = _slot_value(staged.rows, layout, device, slot)
-        out[slot.leaf] = value if out[slot.leaf] is None else out[slot.leaf] + value
+    """Returns flat param gradients from staged ones: the sum over every copy of a leaf (a
+    copy of some rows adds to those rows)."""
+    out: list = []
+    for leaf, copies in enumerate(_copies_by_leaf(layout)):
+        aval = layout.param_avals[leaf]
+        ranges = sorted(slot.rows for _, slot in copies if slot.rows is not None)
+        disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        if ranges and len(ranges) == len(copies) and disjoint:
+            # Row ranges that tile the leaf (the unread rest has a zero gradient slot).
+            ordered = sorted(copies, key=lambda c: c[1].rows)
+            out.append(jnp.concatenate([_slot_value(staged.rows, layout, *c) for c in ordered]))
+            continue
+        total = None
+        for device, slot in copies:
+            value = _slot_value(staged.rows, layout, device, slot)
+            if slot.rows is not None:
+                value = jnp.zeros(aval.shape, aval.dtype).at[slot.rows[0] : slot.rows[1]].set(value)
+            total = value if total is None else total + value
+        out.append(total)
     return out
 
 

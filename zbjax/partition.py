@@ -133,7 +133,7 @@ def stage_summary(graph: StageGraph) -> str:
     lines = []
     total = sum(s.cost for s in graph.stages) or 1.0
     for stage in graph.stages:
-        count = sum(math.prod(graph.param_avals[i].shape) for i in stage.param_leaves)
+        count = sum(math.prod(a.shape) for a in stage.jaxpr.in_avals[: len(stage.param_leaves)])
         ins = ", ".join(
             f"{graph.edges[e].src}->{stage.index} ({len(graph.edges[e].values)} values)"
             for e in stage.in_edges
@@ -459,18 +459,23 @@ def _build_graph(
         outputs = [v for e in out_edges for v in received[pairs[e]]]
         if s == count - 1:
             outputs = [loss]
+        param_vars = [jaxpr.invars[i] for i in params_read[s]]
+        rows, sliced = _row_sliced_params(stage_eqns[s], param_vars, outputs)
+        param_inputs = [
+            eqn.outvars[0] if eqn else v for v, eqn in zip(param_vars, sliced, strict=True)
+        ]
         invars = (
-            [jaxpr.invars[i] for i in params_read[s]]
-            + [jaxpr.invars[program.num_params + i] for i in batch_read[s]]
-            + inputs
+            param_inputs + [jaxpr.invars[program.num_params + i] for i in batch_read[s]] + inputs
         )
-        closed = _stage_jaxpr(stage_eqns[s], invars, outputs, const_value)
+        body = [eqn for eqn in stage_eqns[s] if not any(eqn is e for e in sliced)]
+        closed = _stage_jaxpr(body, invars, outputs, const_value)
         stages.append(
             Stage(
                 index=s,
                 name=names[s],
                 jaxpr=closed,
                 param_leaves=tuple(params_read[s]),
+                param_rows=rows,
                 batch_leaves=tuple(batch_read[s]),
                 in_edges=in_edges,
                 out_edges=out_edges,
@@ -488,6 +493,47 @@ def _build_graph(
         param_avals=param_avals,
         batch_avals=batch_avals,
     )
+
+
+def _row_sliced_params(
+    eqns: Sequence[Any], param_vars: Sequence[Var], outputs: Sequence[Any]
+) -> tuple[tuple[tuple[int, int] | None, ...], list[Any]]:
+    """Returns, per param of a stage, the rows it reads and the ``slice`` equation reading them.
+
+    A param whose only use in ``eqns`` is one static slice of contiguous rows of its leading
+    axis (all of every other axis) -- what a scan split by iteration does to its stacked layer
+    params -- is read as those rows only: (rows, the slice equation); any other param gives
+    (None, None). The stage then takes the slice's result as its input, so its device holds and
+    differentiates only those rows.
+    """
+    uses: dict[Var, list[Any]] = {v: [] for v in param_vars}
+    for eqn in eqns:
+        for atom in eqn.invars:
+            if isinstance(atom, Var) and atom in uses:
+                uses[atom].append(eqn)
+    rows: list[tuple[int, int] | None] = []
+    sliced: list[Any] = []
+    for v in param_vars:
+        eqn = uses[v][0] if len(uses[v]) == 1 and v not in outputs else None
+        rows.append(_leading_rows(eqn, v) if eqn is not None else None)
+        sliced.append(eqn if rows[-1] is not None else None)
+    return tuple(rows), sliced
+
+
+def _leading_rows(eqn: Any, v: Var) -> tuple[int, int] | None:
+    """Returns [begin, end) when ``eqn`` slices rows of ``v``'s leading axis and nothing else."""
+    if eqn.primitive.name != "slice" or len(eqn.invars) != 1:
+        return None
+    shape = v.aval.shape
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params.get("strides") or (1,) * len(shape)
+    if not shape or any(st != 1 for st in strides):
+        return None
+    if any(start[k] != 0 or limit[k] != shape[k] for k in range(1, len(shape))):
+        return None
+    if (start[0], limit[0]) == (0, shape[0]):
+        return None
+    return int(start[0]), int(limit[0])
 
 
 def _stage_jaxpr(

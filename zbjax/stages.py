@@ -7,7 +7,10 @@ and the sequential executor consume both. Jaxprs here are ``jax.extend.core.Clos
 Calling conventions (all flat tuples of arrays, in this order):
 
 - ``Stage.jaxpr``: (params read, batch leaves read, inputs) -> outputs.
-  *params read* are the leaves ``param_leaves`` of the flattened params pytree; *batch leaves
+  *params read* are the leaves ``param_leaves`` of the flattened params pytree, the ``k``-th
+  restricted to rows ``param_rows[k]`` of its leading axis when that is not None (a stage
+  running some iterations of a scan over stacked layer params reads only those layers' rows;
+  ``Stage.param_inputs`` applies the slices); *batch leaves
   read* are ``batch_leaves`` of the flattened (per-microbatch) batch; *inputs* are the values of
   each in-edge, edge after edge in ``in_edges`` order, each edge's ``values`` in order. Outputs
   are the values of each out-edge in ``out_edges`` order; the loss stage outputs ``(loss,)``
@@ -28,6 +31,7 @@ whose ``Stage.output_differentiable`` flag is set, *input cotangents* for the in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +61,20 @@ class Stage:
     input_differentiable: tuple[bool, ...]
     output_differentiable: tuple[bool, ...]
     cost: float  # estimated forward cost (matmul FLOPs plus bytes moved)
+    # Per ``param_leaves`` entry: None (the whole leaf) or the [begin, end) rows of its leading
+    # axis that the stage reads; empty means every leaf whole.
+    param_rows: tuple[tuple[int, int] | None, ...] = ()
+
+    def param_slices(self) -> tuple[tuple[int, int] | None, ...]:
+        """Returns ``param_rows`` with one entry per ``param_leaves`` entry."""
+        return self.param_rows or (None,) * len(self.param_leaves)
+
+    def param_inputs(self, leaves: Sequence[Any]) -> list[Any]:
+        """Returns this stage's param inputs from the flat param ``leaves`` (rows sliced)."""
+        return [
+            leaves[leaf] if rows is None else leaves[leaf][rows[0] : rows[1]]
+            for leaf, rows in zip(self.param_leaves, self.param_slices(), strict=True)
+        ]
 
 
 @dataclass(frozen=True)
@@ -87,11 +105,23 @@ class StageGraph:
 
     @property
     def tied_params(self) -> tuple[int, ...]:
-        counts: dict[int, int] = {}
+        """Returns the leaves of which two stages read the same rows (a whole leaf counts as all
+        its rows); stages reading disjoint rows of a stacked leaf do not tie it."""
+        reads: dict[int, list[tuple[int, int] | None]] = {}
         for stage in self.stages:
-            for leaf in stage.param_leaves:
-                counts[leaf] = counts.get(leaf, 0) + 1
-        return tuple(sorted(leaf for leaf, n in counts.items() if n > 1))
+            for leaf, rows in zip(stage.param_leaves, stage.param_slices(), strict=True):
+                reads.setdefault(leaf, []).append(rows)
+
+        def overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+            return a is None or b is None or (a[0] < b[1] and b[0] < a[1])
+
+        return tuple(
+            sorted(
+                leaf
+                for leaf, rows in reads.items()
+                if any(overlap(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :])
+            )
+        )
 
 
 @dataclass(frozen=True)
