@@ -232,6 +232,46 @@ def plot(rows: Sequence[Row], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def scan_params_per_device(model: Model) -> tuple[str, dict[int, int]]:
+    """Returns a sentence on the staged params per device of the same GPT run by ``nn.scan``,
+    and those bytes per pipeline size p.
+
+    Each stage of the auto cut runs some of the scan's iterations and holds only those layers'
+    rows of the stacked params (``Stage.param_rows``); the compiled step's arguments confirm it.
+    """
+    from models import gpt_scan
+
+    cfg = gpt_config(model, 1)
+    cfg = gpt.GPTConfig(**{**cfg.__dict__, "stage_boundaries": ()})
+    params = gpt_scan.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 4 * model.microbatch_rows)
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    parts, held_by_p = [], {}
+    for p in (2, NUM_DEVICES):
+        sub = jax.sharding.Mesh(np.array(jax.devices()[:p]), (AXIS,))
+        pipe = zbjax.pipeline(
+            gpt_scan.make_loss_fn(cfg),
+            mesh=sub,
+            axis_name=AXIS,
+            schedule="zb-h1",
+            num_microbatches=4,
+        )
+        staged = pipe.stage(params, batch)
+        held = held_by_p[p] = pipe.lowering.layout.bytes_per_device()
+        compiled = pipe.lower(staged, batch).compile().memory_analysis()
+        batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch))
+        parts.append(
+            f"p = {p}: {held / 1e3:.0f} kB staged params per device "
+            f"(compiled arguments {compiled.argument_size_in_bytes / 1e3:.0f} kB, of which "
+            f"{batch_bytes / 1e3:.0f} kB batch)"
+        )
+    return (
+        f"The same GPT with its {model.num_layers} blocks in one `nn.scan` "
+        f"({total / 1e3:.0f} kB of params, auto cut, zb-h1, m = 4): " + "; ".join(parts) + ". "
+        "Each stage holds only its own layers' rows of the stacked block params."
+    ), held_by_p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Returns 0 after compiling every schedule and m and writing the "memory" section."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -279,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         table(rows),
         "",
         f"From m = {min(args.microbatches)} to m = {max(args.microbatches)}: {growth(rows)}.",
+        "",
+        scan_params_per_device(model)[0],
+        "",
         "The ring buffers can hold more than the predicted peak in M_B for two reasons: a "
         "residual slot stays taken whole until W when W reads some residuals (the simulator "
         "counts only w_mem = 0.5 M_B after B), and the lockstep tick loop can keep more "

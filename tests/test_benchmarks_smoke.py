@@ -69,6 +69,12 @@ def test_predicted_peak_grows_with_m_for_gpipe_and_stays_at_p_for_1f1b(m):
     assert memory.predicted_peak(one_f_one_b, _programs(4, 100)) == (4, 400)
 
 
+def test_scan_gpt_params_per_device_shrink_with_more_stages():
+    text, held = memory.scan_params_per_device(memory.SMOKE_MODEL)
+    assert "p = 2" in text and "p = 4" in text
+    assert held[4] < 0.75 * held[2], held
+
+
 def test_gpu_script_refuses_politely_without_a_gpu(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
