@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bw_split  # noqa: E402
 import gpu  # noqa: E402
 import memory  # noqa: E402
+import multiprocess  # noqa: E402
 import step_time  # noqa: E402
 
 from zbjax import schedules  # noqa: E402
@@ -73,6 +74,15 @@ def test_scan_gpt_params_per_device_shrink_with_more_stages():
     text, held = memory.scan_params_per_device(memory.SMOKE_MODEL)
     assert "p = 2" in text and "p = 4" in text
     assert held[4] < 0.75 * held[2], held
+
+
+def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_section():
+    result = multiprocess.launch(rounds=1, microbatches=[2], smoke=True)
+    assert result["ppermute_ms"] > 0 and len(result["costs_ms"][0]) == 2
+    rows = result["m"]["2"]
+    assert set(rows) == set(multiprocess.SCHEDULE_NAMES) and rows["1f1b"]["ratio"] == 1.0
+    text = multiprocess.section(result, 1, [2], 1.0)
+    assert text.count("| 2 |") == len(multiprocess.SCHEDULE_NAMES)
 
 
 def test_gpu_script_refuses_politely_without_a_gpu(capsys):

@@ -1,0 +1,235 @@
+"""Step time with one core per device: two processes, each pinned to its own core, one device each.
+
+``step_time.py`` runs its two devices as fake devices of one process, where they share XLA's
+thread pool and both cores. Here each device is a separate process pinned to one core and joined
+by ``jax.distributed`` over gloo (TCP on this machine), the setting the step-time target
+assumes: a device computes on one core, so a bubble is a core left idle. The model is
+``step_time``'s MLP (2 stages of 8 Dense(128) layers, 1024 rows per microbatch).
+
+Process 0 reports: the step time of gpipe, 1f1b and zb-h2 (alternating rounds, medians, ratio to
+1f1b within each round); the stage costs F, B, W measured on its one core alone (as
+``step_time.measured_costs`` does); the simulator's predicted ratio from those costs; and the
+cost of one tick's ``ppermute`` of a microbatch's activations between the processes, which a
+pipeline step pays once per lockstep tick. Writes the section "multiprocess" of
+``benchmarks/RESULTS.md``.
+
+Run: ``python benchmarks/multiprocess.py [--rounds N] [--microbatches 4 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+COMMAND = "python benchmarks/multiprocess.py"
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h2")
+NUM_PROCESSES = 2
+TIMEOUT_S = 900
+
+
+def worker(
+    process_id: int, port: int, rounds: int, microbatches: Sequence[int], out: str, smoke: bool
+) -> None:
+    """Runs one process: pins it to core ``process_id``, joins the other, times the steps."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[process_id]})
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=process_id
+    )
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import step_time
+
+    from models import mlp
+    from zbjax import schedules
+
+    setup = step_time.SMOKE_SETUP if smoke else step_time.Setup()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), (step_time.AXIS,))
+    cfg = step_time.mlp_config(setup, NUM_PROCESSES)
+    params = jax.tree.map(np.asarray, mlp.init_params(jax.random.key(0), cfg))
+    loss_fn = mlp.make_loss_fn(cfg)
+    micro = jax.tree.map(np.asarray, mlp.make_batch(jax.random.key(1), cfg, setup.microbatch_rows))
+    local = jax.local_devices()[0]
+    # Stage costs on this process's one core. Both processes measure at once, each on its own
+    # core, as they will compute in the pipeline.
+    costs = step_time.measured_costs(
+        loss_fn, jax.device_put(params, local), jax.device_put(micro, local), 2 if smoke else 30
+    )
+    result: dict = {"costs_ms": [[1e3 * x for x in c] for c in (costs.f, costs.b, costs.w)]}
+    # One tick's message: a microbatch's activations, ppermuted both ways, 100 times in a scan.
+    sharding = NamedSharding(mesh, PartitionSpec(step_time.AXIS))
+    message = jax.device_put(
+        np.ones((NUM_PROCESSES * setup.microbatch_rows, setup.width), np.float32), sharding
+    )
+
+    def ring(x):
+        def tick(c, _):
+            pairs = [(0, 1), (1, 0)]
+            return jax.lax.ppermute(c * 1.0001, step_time.AXIS, pairs), None
+
+        return jax.lax.scan(tick, x, None, length=100)[0]
+
+    spec = PartitionSpec(step_time.AXIS)
+    permute = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=spec, out_specs=spec))
+    jax.block_until_ready(permute(message))
+    times = []
+    for _ in range(10):
+        began = time.perf_counter()
+        jax.block_until_ready(permute(message))
+        times.append(time.perf_counter() - began)
+    result["ppermute_ms"] = 1e3 * statistics.median(times) / 100
+    result["m"] = {}
+    for m in microbatches:
+        batch = jax.tree.map(
+            np.asarray, mlp.make_batch(jax.random.key(1), cfg, m * setup.microbatch_rows)
+        )
+        variants, predicted = {}, {}
+        for name in SCHEDULE_NAMES:
+            schedule = schedules.build(name, NUM_PROCESSES, m, num_devices=NUM_PROCESSES)
+            variants[name] = step_time.pipeline_step(loss_fn, schedule, mesh, params, batch)
+            prediction = step_time.predict(schedule, costs)
+            predicted[name] = (prediction.makespan, prediction.lockstep, prediction.ticks)
+        times = step_time.alternate(variants, rounds)
+        result["m"][m] = {
+            name: {
+                "step_ms": 1e3 * statistics.median(times[name]),
+                "ratio": step_time.median_ratio(times, name, "1f1b"),
+                "makespan_ms": 1e3 * predicted[name][0],
+                "lockstep_ms": 1e3 * predicted[name][1],
+                "ticks": predicted[name][2],
+            }
+            for name in SCHEDULE_NAMES
+        }
+    if process_id == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(rounds: int, microbatches: Sequence[int], smoke: bool = False) -> dict:
+    """Returns process 0's results after running both processes of this script (``smoke``:
+    ``step_time``'s toy MLP, to check that the script runs)."""
+    if len(os.sched_getaffinity(0)) < NUM_PROCESSES:
+        raise SystemExit(f"needs {NUM_PROCESSES} cores to pin one process to each")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    str(pid),
+                    "--port",
+                    str(port),
+                    "--rounds",
+                    str(rounds),
+                    "--microbatches",
+                    *map(str, microbatches),
+                    "--out",
+                    str(out),
+                    *(["--smoke"] if smoke else []),
+                ]
+            )
+            for pid in range(NUM_PROCESSES)
+        ]
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=TIMEOUT_S))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                raise SystemExit(f"a worker ran past {TIMEOUT_S} s; both were killed") from None
+        if any(codes):
+            raise SystemExit(f"workers exited with {codes}")
+        return json.loads(out.read_text())
+
+
+def section(result: dict, rounds: int, microbatches: Sequence[int], took: float) -> str:
+    """Returns the markdown of the "multiprocess" section."""
+    from bw_split import machine_load
+
+    f, b, w = result["costs_ms"]
+    lines = [
+        "## Step time with one core per device: two pinned processes over jax.distributed",
+        "",
+        f"Made by `{COMMAND} --rounds {rounds} --microbatches "
+        f"{' '.join(map(str, microbatches))}`: 2 processes, each pinned to its own core with one "
+        "CPU device, joined by `jax.distributed` (gloo over TCP); `step_time`'s MLP (2 stages of 8 "
+        "Dense(128), 1024 rows per microbatch). Stage costs measured on one core alone: "
+        + "; ".join(
+            f"stage {s}: F {f[s]:.2f} / B {b[s]:.2f} / W {w[s]:.2f} ms" for s in range(len(f))
+        )
+        + f". One tick's `ppermute` of a microbatch's activations (512 kB each way) between the "
+        f"processes: {result['ppermute_ms']:.2f} ms. Steps alternate round by round ({rounds} "
+        "rounds); step is the median, measured / 1f1b the median of the ratio within a round; "
+        "predicted = the simulator's makespan ratio from the one-core costs; lockstep + "
+        "comm = every tick as long as its slowest action plus one ppermute.",
+        "",
+        "| m | schedule | step (ms) | measured / 1f1b | predicted / 1f1b | lockstep + comm / 1f1b "
+        "| predicted step (ms, lockstep + comm) | ticks |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in microbatches:
+        rows = result["m"][str(m)]
+        base = rows["1f1b"]
+
+        def lock(row: dict) -> float:
+            return row["lockstep_ms"] + row["ticks"] * result["ppermute_ms"]
+
+        for name in SCHEDULE_NAMES:
+            row = rows[name]
+            lines.append(
+                f"| {m} | {name} | {row['step_ms']:.1f} | {row['ratio']:.3f} | "
+                f"{row['makespan_ms'] / base['makespan_ms']:.3f} | {lock(row) / lock(base):.3f} | "
+                f"{lock(row):.1f} | {row['ticks']} |"
+            )
+    lines += ["", f"Machine load at the end: `{machine_load()}`. Took {took:.0f} s."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker, args.port, args.rounds, args.microbatches, args.out, args.smoke)
+        return 0
+    began = time.perf_counter()
+    result = launch(args.rounds, args.microbatches)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _results import write_section
+
+    body = section(result, args.rounds, args.microbatches, time.perf_counter() - began)
+    path = write_section("multiprocess", body)
+    print(body)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
