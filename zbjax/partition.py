@@ -514,7 +514,8 @@ def _row_sliced_params(
     rows: list[tuple[int, int] | None] = []
     sliced: list[Any] = []
     for v in param_vars:
-        eqn = uses[v][0] if len(uses[v]) == 1 and v not in outputs else None
+        returned = any(v is out for out in outputs)
+        eqn = uses[v][0] if len(uses[v]) == 1 and not returned else None
         rows.append(_leading_rows(eqn, v) if eqn is not None else None)
         sliced.append(eqn if rows[-1] is not None else None)
     return tuple(rows), sliced
