@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zbjax.params import (
+    first_copy_mask,
+    global_norm,
     pack_stage_gradients,
     stage_leaves,
     staged_layout,
@@ -123,3 +125,16 @@ def test_row_sliced_tiling_unstages_by_concatenation():
     staged = stage_leaves(layout, leaves())
     np.testing.assert_array_equal(unstage_gradients(layout, staged)[0], leaves()[0])
     np.testing.assert_array_equal(unstage_leaves(layout, staged)[0], leaves()[0])
+
+
+def test_first_copy_mask_counts_every_param_element_once():
+    for layout in (
+        staged_layout(AVALS, STAGE_LEAVES, (0, 1, 2, 3), 4),
+        staged_layout(AVALS, ROW_STAGE_LEAVES, (0, 1, 2), 3, ROW_STAGE_ROWS),
+    ):
+        masks = first_copy_mask(layout)
+        assert sum(int(m.sum()) for m in masks) == sum(int(np.prod(a.shape)) for a in AVALS)
+        staged = stage_leaves(layout, leaves())
+        want = np.sqrt(sum(float(np.sum(np.square(x.astype(np.float32)))) for x in leaves()[:4]))
+        want = np.sqrt(want**2 + float(np.sum(np.square(leaves()[5]))))
+        np.testing.assert_allclose(float(global_norm(layout, staged)), want, rtol=1e-6)

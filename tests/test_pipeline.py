@@ -6,6 +6,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import zbjax
@@ -148,6 +149,28 @@ def test_param_read_in_part_keeps_its_unread_rows_with_a_zero_gradient():
     reference = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
     assert_close(pipe.value_and_grad(params, batch), reference)
     np.testing.assert_array_equal(pipe.unstage(staged)["w"], params["w"])
+
+
+@pytest.mark.parametrize("module", [gpt, gpt_scan])
+def test_global_norm_and_clipping_of_staged_grads_equal_optax_on_the_user_tree(module):
+    loss_fn, params, batch = gpt_case(module, 2)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
+    staged = pipe.stage(params, batch)
+    _, grads = pipe.value_and_grad(staged, batch)
+    _, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    norm = float(optax.tree.norm(ref_grads))
+    np.testing.assert_allclose(float(jax.jit(pipe.global_norm)(grads)), norm, rtol=1e-5)
+    np.testing.assert_allclose(float(pipe.global_norm(ref_grads)), norm, rtol=1e-5)
+    if module is gpt:  # the tied embedding is stored on both devices: optax counts it twice
+        assert float(optax.tree.norm(grads)) > 1.01 * norm
+    # One clipped SGD step in the staged layout equals the same step on the user tree.
+    limit = 0.5 * norm
+    staged_opt = optax.chain(pipe.clip_by_global_norm(limit), optax.sgd(0.1))
+    user_opt = optax.chain(optax.clip_by_global_norm(limit), optax.sgd(0.1))
+    updates, _ = staged_opt.update(grads, staged_opt.init(staged), staged)
+    want, _ = user_opt.update(ref_grads, user_opt.init(params), params)
+    got = pipe.unstage(optax.apply_updates(staged, updates))
+    assert_close((0.0, got), (0.0, optax.apply_updates(params, want)))
 
 
 def test_value_and_grad_works_inside_a_users_jit():

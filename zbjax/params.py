@@ -232,21 +232,31 @@ def _copies_by_leaf(layout: StagedLayout) -> list[list[tuple[int, LeafSlot]]]:
     return by_leaf
 
 
+def _first_copies(copies: Sequence[tuple[int, LeafSlot]]) -> list[tuple[int, LeafSlot, int]]:
+    """Returns (device, slot, rows to skip) of the copies that first hold each part of a leaf:
+    its first whole copy, else its row-range copies in row order, each from the first row that
+    an earlier one does not hold."""
+    whole = [(d, slot) for d, slot in copies if slot.rows is None]
+    if whole:
+        return [(*whole[0], 0)]
+    chosen, pos = [], 0
+    for device, slot in sorted(copies, key=lambda c: c[1].rows):
+        begin, end = slot.rows
+        if end > pos:
+            chosen.append((device, slot, pos - begin))
+            pos = end
+    return chosen
+
+
 def unstage_leaves(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
     """Returns the flat param leaves stored in ``staged`` (the first copy of a tied leaf; a
     leaf stored in row ranges is put together from them, first copy of every row)."""
     out: list = []
     for copies in _copies_by_leaf(layout):
-        whole = [(d, slot) for d, slot in copies if slot.rows is None]
-        if whole:
-            out.append(_slot_value(staged.rows, layout, *whole[0]))
-            continue
-        pieces, pos = [], 0
-        for device, slot in sorted(copies, key=lambda c: c[1].rows):
-            begin, end = slot.rows
-            if end > pos:
-                pieces.append(_slot_value(staged.rows, layout, device, slot)[pos - begin :])
-                pos = end
+        pieces = []
+        for device, slot, skip in _first_copies(copies):
+            value = _slot_value(staged.rows, layout, device, slot)
+            pieces.append(value[skip:] if skip else value)
         out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
     return out
 
@@ -272,6 +282,31 @@ def unstage_gradients(layout: StagedLayout, staged: StagedParams) -> list[jax.Ar
             total = value if total is None else total + value
         out.append(total)
     return out
+
+
+def first_copy_mask(layout: StagedLayout) -> list[np.ndarray]:
+    """Returns per dtype a ``[num_devices, row_size]`` 0/1 mask of the staged rows that hold the
+    first copy of every param element: padding and the extra copies of tied leaves are 0.
+
+    Summing a function of the staged values under this mask counts every param element once,
+    as over the user-layout tree (``global_norm``).
+    """
+    masks = [np.zeros((layout.num_devices, n), np.float32) for n in layout.row_size]
+    for copies in _copies_by_leaf(layout):
+        for device, slot, skip in _first_copies(copies):
+            start = slot.offset + skip * (slot.size // slot.shape[0] if skip else 0)
+            masks[layout.dtype_index(slot.dtype)][device, start : slot.offset + slot.size] = 1.0
+    return masks
+
+
+def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
+    """Returns the L2 norm of the params (or grads) in ``staged``, each element counted once:
+    equal to ``optax.tree.norm`` of the user-layout tree (works under ``jax.jit``)."""
+    total = jnp.zeros((), jnp.float32)
+    for row, mask in zip(staged.rows, first_copy_mask(layout), strict=True):
+        if jnp.issubdtype(row.dtype, jnp.inexact):
+            total = total + jnp.sum(jnp.asarray(mask) * jnp.square(row.astype(jnp.float32)))
+    return jnp.sqrt(total)
 
 
 def unpack_stage_params(

@@ -30,6 +30,10 @@ Choices a careful user would want to know:
 - Every other mesh axis is data parallel: each microbatch's rows are split evenly over those
   axes (the batch size must be a multiple of ``num_microbatches`` times their size), each
   shard runs the pipeline on its rows, and loss and grads are averaged over the shards.
+- In the staged layout a tied leaf is stored once per device that reads it; clip staged grads
+  with ``pipe.clip_by_global_norm`` (or measure them with ``pipe.global_norm``), which count
+  every element once, not with ``optax.clip_by_global_norm``, which would count such a leaf
+  twice.
 - Params and batch are never donated: the step returns gradients and leaves params to the
   caller's optimizer. Only the step's own slot pools are, between calls on CPU meshes
   (``keep_buffers``).
@@ -43,6 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -50,7 +55,13 @@ from zbjax import graphpipe, schedules
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
-from zbjax.params import StagedParams, stage_leaves, unstage_gradients, unstage_leaves
+from zbjax.params import (
+    StagedParams,
+    global_norm,
+    stage_leaves,
+    unstage_gradients,
+    unstage_leaves,
+)
 from zbjax.partition import partition, stage_summary
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
@@ -212,6 +223,41 @@ class Pipeline:
         self._check_staged(staged, built)
         leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
         return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
+
+    def global_norm(self, tree: Any) -> jax.Array:
+        """Returns the L2 norm of params or grads, given staged or in the user layout.
+
+        In the staged layout a tied leaf is stored (and its gradient returned) once per device
+        that reads it, and rows are padded, so ``optax.tree.norm`` of staged grads counts a
+        tied leaf twice; this counts every element once and equals ``optax.tree.norm`` of
+        the user-layout tree. Works under ``jax.jit``.
+        """
+        if not isinstance(tree, StagedParams):
+            leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+        built = self._require_built("global_norm")
+        self._check_staged(tree, built)
+        return global_norm(built.lowering.layout, tree)
+
+    def clip_by_global_norm(self, max_norm: float):
+        """Returns an optax transformation like ``optax.clip_by_global_norm(max_norm)`` whose
+        norm is ``self.global_norm``, so that clipping staged grads scales them exactly as
+        clipping the user-layout grads would (staged or user-layout updates both work)."""
+        import optax
+
+        def update(updates, state, params=None):
+            del params
+            norm = self.global_norm(updates)
+            under = norm < max_norm
+
+            def clip(u):  # as optax: unchanged under the limit, else scaled to norm max_norm
+                if not jnp.issubdtype(u.dtype, jnp.inexact):
+                    return u
+                return jax.lax.select(under, u, (u / norm.astype(u.dtype)) * max_norm)
+
+            return jax.tree.map(clip, updates), state
+
+        return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
     @property
     def graph(self) -> StageGraph:
