@@ -258,6 +258,18 @@ def test_scan_over_stacked_weights_splits_the_backward_scan():
     assert program.flops_backward_input == program.flops_forward
 
 
+def test_bias_sums_inside_a_split_scan_run_in_the_b_scan():
+    # The per-layer bias gradient (a sum over rows of the cotangent the B scan computes) runs
+    # in the B scan's body and comes out stacked; W keeps only the weight-gradient matmuls.
+    ws, bs = _normal(33, (3, D, D)), _normal(34, (3, D))
+    program = run_and_check(scanned_layers, [ws, bs], [], [_normal(35, (64, D))])
+    assert not [e for e in program.backward_weight.jaxpr.eqns if e.primitive.name == "reduce_sum"]
+    (b_scan,) = [e for e in program.backward_input.jaxpr.eqns if e.primitive.name == "scan"]
+    body = b_scan.params["jaxpr"].jaxpr.eqns
+    assert any(e.primitive.name == "reduce_sum" for e in body)
+    assert (3, D) in [a.shape for a in program.stash_avals]  # the stacked bias gradients
+
+
 def test_a_w_scan_whose_body_has_no_batching_rule_stays_a_scan():
     # vmap_independent_scans batches a carry-less scan only when every primitive in its body
     # can be batched; otherwise the scan is kept as it is.

@@ -432,14 +432,20 @@ def _split_scan(eqn: Any, b_needed: set, w_wants: set) -> list | None:
     yr = {j for j in range(len(y_out)) if o_ys[j] in w_wants} - yb
     if not kr and not yr:
         return None
-    while True:
-        live_r, need_r = _live(
-            bj.eqns, [k_out[i] for i in kr] + [y_out[j] for j in yr], exclude=live_b
-        )
-        grown = kr | {i for i in range(nk) if k_in[i] in need_r and i not in kb}
-        if grown == kr:
-            break
-        kr = grown
+    live_r, need_r, kr = _rest_of_body(bj.eqns, (k_in, k_out), y_out, live_b, kb, kr, yr)
+    # Per-layer bias and layer-norm sums run in B, as at the top level (_small_reductions).
+    hoisted = _small_reductions(
+        [bj.eqns[i] for i in sorted(live_r)], b_available, [y_out[j] for j in sorted(yr)]
+    )
+    if hoisted:
+        moved = {i for i in live_r if id(bj.eqns[i]) in hoisted}
+        live_b |= moved
+        need_b = need_b | {v for i in moved for v in bj.eqns[i].invars if not is_literal(v)}
+        b_available = b_available.union(*(_defined(bj.eqns[i]) for i in moved))
+        now_b = {j for j in yr if y_out[j] in b_available}
+        yb, yr = yb | now_b, yr - now_b
+        kr = {i for i in range(nk) if o_kf[i] in w_wants} - kb
+        live_r, need_r, kr = _rest_of_body(bj.eqns, (k_in, k_out), y_out, live_b, kb, kr, yr)
 
     b_carried = [k_in[i] for i in sorted(kb)]
     b_computed = [v for i in sorted(live_b) for v in bj.eqns[i].outvars]
@@ -464,6 +470,8 @@ def _split_scan(eqn: Any, b_needed: set, w_wants: set) -> list | None:
         num_carry=len(kb),
     )
 
+    if not kr and not yr:  # B's body took over all that W computed
+        return [b_eqn]
     r_consts = [k for k in range(nc) if c_in[k] in need_r]
     r_xs = [k for k in range(len(x_in)) if x_in[k] in need_r]
     r_body = make_closed_jaxpr(
@@ -488,6 +496,27 @@ def _split_scan(eqn: Any, b_needed: set, w_wants: set) -> list | None:
         num_carry=len(kr),
     )
     return [b_eqn, r_eqn]
+
+
+def _rest_of_body(
+    eqns: Sequence[Any],
+    carries: tuple[Sequence[Any], Sequence[Any]],
+    y_out: Sequence[Any],
+    live_b: set[int],
+    kb: set[int],
+    kr: set[int],
+    yr: set[int],
+) -> tuple[set[int], set, set[int]]:
+    """Returns (equations, values read, carries) of a split scan body's W part: what computes
+    the carries ``kr`` and outputs ``yr`` besides B's equations ``live_b``, with the carries
+    closed under "the body reads the carry". ``carries`` is (carry inputs, carry outputs)."""
+    k_in, k_out = carries
+    while True:
+        live_r, need_r = _live(eqns, [k_out[i] for i in kr] + [y_out[j] for j in yr], live_b)
+        grown = kr | {i for i in range(len(k_in)) if k_in[i] in need_r and i not in kb}
+        if grown == kr:
+            return live_r, need_r, kr
+        kr = grown
 
 
 def _scan_equation(
