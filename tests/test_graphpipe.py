@@ -5,7 +5,7 @@ import random
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zbjax.errors import PartitionError
@@ -122,8 +122,12 @@ def _random_sp_graph(rng, leaves):
     return OpGraph(nodes, tuple(edges))
 
 
-def _plans(tree, k, tail=()):
-    """Yields every plan (list of stages) the search space allows, without any DP."""
+def _plans(tree, k, time, tail=()):
+    """Yields every plan (list of stages) the search space allows, without any DP.
+
+    ``time[v]`` is node v's forward + backward cost: past ``MAX_GROUPED_BRANCHES`` parallel
+    branches the space groups runs of branches ranked by that weight, as the partitioner does.
+    """
     if k < 1:
         return
     if tree.kind == "leaf":
@@ -148,14 +152,14 @@ def _plans(tree, k, tail=()):
                 if children[i].kind != "leaf":
                     joined = tuple(v for c in children[i + 1 : j] for v in c.nodes)
                     joined += tail if last else ()
-                    for first in _plans(children[i], budget, joined):
+                    for first in _plans(children[i], budget, time, joined):
                         for rest in suffix(j, budget - len(first)):
                             yield first + rest
 
         yield from suffix(0, k)
         return
     branches = tree.children
-    weights = [0.0] * len(branches)
+    weights = [sum(time[v] for v in b.nodes) for b in branches]
     for groups in branch_groupings(len(branches), weights):
         trees = [
             branches[g[0]]
@@ -166,7 +170,7 @@ def _plans(tree, k, tail=()):
         carriers = range(len(trees)) if tail else [None]
         for carrier in carriers:
             options = [
-                list(_plans(t, k, tail if c == carrier else ())) for c, t in enumerate(trees)
+                list(_plans(t, k, time, tail if c == carrier else ())) for c, t in enumerate(trees)
             ]
             for combo in itertools.product(*options):
                 stages = [s for plan in combo for s in plan]
@@ -202,6 +206,7 @@ def _evaluate(graph, stages, m, mem_limit):
 
 
 @settings(max_examples=200, deadline=None)
+@example(521, 7, 2, 1, None)  # 7 parallel branches: grouped by weight, not by index
 @given(
     st.integers(0, 10**9),
     st.integers(2, 7),
@@ -214,7 +219,8 @@ def test_partitioner_equals_brute_force_on_small_series_parallel_graphs(
 ):
     graph = _random_sp_graph(random.Random(seed), leaves)
     tree = series_parallel_tree(graph, "error")  # generated graphs are series-parallel
-    scores = [_evaluate(graph, plan, m, mem_limit) for plan in _plans(tree, devices)]
+    time = [n.forward_cost + n.backward_cost for n in graph.nodes]
+    scores = [_evaluate(graph, plan, m, mem_limit) for plan in _plans(tree, devices, time)]
     feasible = [x for x in scores if x is not None]
     if not feasible:
         with pytest.raises(PartitionError, match="mem_limit"):
