@@ -14,6 +14,7 @@ Run: ``python benchmarks/memory.py [--microbatches 4 8 16]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -241,8 +242,7 @@ def scan_params_per_device(model: Model) -> tuple[str, dict[int, int]]:
     """
     from models import gpt_scan
 
-    cfg = gpt_config(model, 1)
-    cfg = gpt.GPTConfig(**{**cfg.__dict__, "stage_boundaries": ()})
+    cfg = dataclasses.replace(gpt_config(model, 1), stage_boundaries=())
     params = gpt_scan.init_params(jax.random.key(0), cfg)
     batch = gpt.make_batch(jax.random.key(1), cfg, 4 * model.microbatch_rows)
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zbjax.params import (
-    first_copy_mask,
+    extra_copies,
     global_norm,
     pack_stage_gradients,
     stage_leaves,
@@ -127,13 +127,17 @@ def test_row_sliced_tiling_unstages_by_concatenation():
     np.testing.assert_array_equal(unstage_leaves(layout, staged)[0], leaves()[0])
 
 
-def test_first_copy_mask_counts_every_param_element_once():
+def test_global_norm_counts_every_param_element_once():
     for layout in (
         staged_layout(AVALS, STAGE_LEAVES, (0, 1, 2, 3), 4),
         staged_layout(AVALS, ROW_STAGE_LEAVES, (0, 1, 2), 3, ROW_STAGE_ROWS),
     ):
-        masks = first_copy_mask(layout)
-        assert sum(int(m.sum()) for m in masks) == sum(int(np.prod(a.shape)) for a in AVALS)
+        stored = sum(slot.size for _, slot in layout.copies())
+        extra = sum(
+            (end - begin) * (slot.size // slot.shape[0] if slot.shape else 1)
+            for _, slot, begin, end in extra_copies(layout)
+        )
+        assert stored - extra == sum(int(np.prod(a.shape)) for a in AVALS)
         staged = stage_leaves(layout, leaves())
         want = np.sqrt(sum(float(np.sum(np.square(x.astype(np.float32)))) for x in leaves()[:4]))
         want = np.sqrt(want**2 + float(np.sum(np.square(leaves()[5]))))

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zbjax.stages import leading_rows
+
 
 def dtype_name(dtype) -> str:
     """Returns the canonical name of ``dtype`` used to key per-dtype buffers."""
@@ -47,10 +49,6 @@ class LeafSlot:
     size: int
     shape: tuple[int, ...]
     rows: tuple[int, int] | None = None
-
-    def value(self, leaf: jax.Array) -> jax.Array:
-        """Returns the part of the whole ``leaf`` this copy holds."""
-        return leaf if self.rows is None else leaf[self.rows[0] : self.rows[1]]
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,8 @@ def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedPar
         k = layout.dtype_index(slot.dtype)
         if slot.offset > fill[device][k]:
             pieces[k][device].append(jnp.zeros(slot.offset - fill[device][k], slot.dtype))
-        pieces[k][device].append(jnp.ravel(jnp.asarray(slot.value(leaves[slot.leaf]), slot.dtype)))
+        value = leading_rows(leaves[slot.leaf], slot.rows)
+        pieces[k][device].append(jnp.ravel(jnp.asarray(value, slot.dtype)))
         fill[device][k] = slot.offset + slot.size
     rows = []
     for k, dt in enumerate(layout.dtypes):
@@ -284,29 +283,40 @@ def unstage_gradients(layout: StagedLayout, staged: StagedParams) -> list[jax.Ar
     return out
 
 
-def first_copy_mask(layout: StagedLayout) -> list[np.ndarray]:
-    """Returns per dtype a ``[num_devices, row_size]`` 0/1 mask of the staged rows that hold the
-    first copy of every param element: padding and the extra copies of tied leaves are 0.
-
-    Summing a function of the staged values under this mask counts every param element once,
-    as over the user-layout tree (``global_norm``).
+def extra_copies(layout: StagedLayout) -> list[tuple[int, LeafSlot, int, int]]:
+    """Returns (device, slot, first row, end row) of every stored part of a param element that
+    is not its first copy: the second copy of a tied leaf, rows an earlier row-range copy
+    already holds. Usually a handful of slots, whatever the model's size.
     """
-    masks = [np.zeros((layout.num_devices, n), np.float32) for n in layout.row_size]
+    extras = []
     for copies in _copies_by_leaf(layout):
-        for device, slot, skip in _first_copies(copies):
-            start = slot.offset + skip * (slot.size // slot.shape[0] if skip else 0)
-            masks[layout.dtype_index(slot.dtype)][device, start : slot.offset + slot.size] = 1.0
-    return masks
+        first = {id(slot): skip for _, slot, skip in _first_copies(copies)}
+        for device, slot in copies:
+            rows = slot.shape[0] if slot.shape else 1
+            skip = first.get(id(slot), rows)
+            if skip:
+                extras.append((device, slot, 0, skip))
+    return extras
 
 
 def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     """Returns the L2 norm of the params (or grads) in ``staged``, each element counted once:
-    equal to ``optax.tree.norm`` of the user-layout tree (works under ``jax.jit``)."""
-    total = jnp.zeros((), jnp.float32)
-    for row, mask in zip(staged.rows, first_copy_mask(layout), strict=True):
-        if jnp.issubdtype(row.dtype, jnp.inexact):
-            total = total + jnp.sum(jnp.asarray(mask) * jnp.square(row.astype(jnp.float32)))
-    return jnp.sqrt(total)
+    equal to ``optax.tree.norm`` of the user-layout tree (works under ``jax.jit``).
+
+    The norm of every row less that of the ``extra_copies``; row padding holds zeros, as
+    ``stage_leaves`` and the step's gradients leave it, so it adds nothing.
+    """
+    total = sum(
+        jnp.sum(jnp.square(row.astype(jnp.float32)))
+        for row in staged.rows
+        if jnp.issubdtype(row.dtype, jnp.inexact)
+    )
+    for device, slot, begin, end in extra_copies(layout):
+        if jnp.issubdtype(jnp.dtype(slot.dtype), jnp.inexact):
+            value = _slot_value(staged.rows, layout, device, slot)
+            part = value[begin:end] if slot.shape else value
+            total = total - jnp.sum(jnp.square(part.astype(jnp.float32)))
+    return jnp.sqrt(jnp.maximum(total, 0.0))
 
 
 def unpack_stage_params(

@@ -38,6 +38,11 @@ from typing import Any
 import jax
 
 
+def leading_rows(value: Any, rows: tuple[int, int] | None) -> Any:
+    """Returns rows [begin, end) of ``value``'s leading axis, or all of it for None."""
+    return value if rows is None else value[rows[0] : rows[1]]
+
+
 @dataclass(frozen=True)
 class Edge:
     """Activations flowing from stage ``src`` to stage ``dst``, one microbatch's worth."""
@@ -72,7 +77,7 @@ class Stage:
     def param_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Returns this stage's param inputs from the flat param ``leaves`` (rows sliced)."""
         return [
-            leaves[leaf] if rows is None else leaves[leaf][rows[0] : rows[1]]
+            leading_rows(leaves[leaf], rows)
             for leaf, rows in zip(self.param_leaves, self.param_slices(), strict=True)
         ]
 
