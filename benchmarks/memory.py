@@ -74,8 +74,9 @@ class Row:
     temp_bytes: int
     peak_units: float  # simulated peak activation memory, M_B units, largest device
     predicted_bytes: float  # peak_units x that device's stage activation_bytes
-    ring_bytes: int  # residual ring buffer the lowering allocates per device
+    ring_bytes: int  # residual, kept and stash slots the lowering allocates per device
     ring_slots: int
+    kept_slots: int
     stash_slots: int
 
 
@@ -145,9 +146,7 @@ def measure(
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, axis_name=AXIS, schedule=schedule, num_microbatches=m)
     staged = pipe.stage(params, batch)  # builds from the batch's shapes; nothing compiled
     analysis = pipe.lower(staged, batch).compile().memory_analysis()
-    residual_bytes, stash_bytes, _ = lowering.slot_bytes()
-    slots = lowering.tables.num_residual_slots
-    stash_slots = lowering.tables.num_stash_slots
+    tables = lowering.tables
     return Row(
         name,
         m,
@@ -156,9 +155,10 @@ def measure(
         int(analysis.temp_size_in_bytes),
         peak_units,
         peak_bytes,
-        slots * residual_bytes + stash_slots * stash_bytes,
-        slots,
-        stash_slots,
+        lowering.slot_pool_bytes(),
+        tables.num_residual_slots,
+        tables.num_kept_slots,
+        tables.num_stash_slots,
     )
 
 
@@ -179,7 +179,7 @@ def table(rows: Sequence[Row]) -> str:
     """Returns the markdown table (kB per device)."""
     lines = [
         "| schedule | m | staged params (kB) | arguments (kB) | temp (kB) | predicted peak "
-        "(M_B) | predicted activations (kB) | ring buffers (kB, residual + stash slots) "
+        "(M_B) | predicted activations (kB) | ring buffers (kB, residual + kept + stash slots) "
         "| temp − ring (kB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -187,7 +187,7 @@ def table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.name} | {r.m} | {r.param_bytes / 1e3:.0f} | {r.argument_bytes / 1e3:.0f} | "
             f"{r.temp_bytes / 1e3:.0f} | {r.peak_units:.3g} | {r.predicted_bytes / 1e3:.0f} | "
-            f"{r.ring_bytes / 1e3:.0f} ({r.ring_slots} + {r.stash_slots}) | "
+            f"{r.ring_bytes / 1e3:.0f} ({r.ring_slots} + {r.kept_slots} + {r.stash_slots}) | "
             f"{(r.temp_bytes - r.ring_bytes) / 1e3:.0f} |"
         )
     return "\n".join(lines)
@@ -205,8 +205,8 @@ def growth(rows: Sequence[Row]) -> str:
         parts.append(
             f"{name} {(last.temp_bytes - first.temp_bytes) / 1e6:+.1f} MB temp "
             f"(predicted {(last.predicted_bytes - first.predicted_bytes) / 1e6:+.1f} MB, "
-            f"slots {first.ring_slots} + {first.stash_slots} → "
-            f"{last.ring_slots} + {last.stash_slots})"
+            f"slots {first.ring_slots} + {first.kept_slots} + {first.stash_slots} → "
+            f"{last.ring_slots} + {last.kept_slots} + {last.stash_slots})"
         )
     return "; ".join(parts)
 
@@ -311,10 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gradient accumulators, the stage programs' scratch); *predicted peak* = "
         "`max(simulate(schedule).peak_memory)` in M_B (F adds 1, B frees 1 − w_mem, W frees "
         "w_mem = 0.5); *predicted activations* = that times the device's stage "
-        "`activation_bytes`; *ring buffers* = residual slots × residual slot bytes + stash "
-        "slots × stash slot bytes: a residual slot holds what F stores for B (the largest "
-        "stage's), from F until B, or until W when W reads residuals too; a stash slot holds "
-        "what B computes for W, from B until W; slots are counted in lockstep.",
+        "`activation_bytes`; *ring buffers* = residual, kept and stash slots × their bytes "
+        "(`Lowering.slot_pool_bytes`): a residual slot holds what F stores for B alone (the "
+        "largest stage's), from F until B; a kept slot what F stores that W reads too (the "
+        "inputs of the weight matmuls), from F until W; a stash slot what B computes for W, "
+        "from B until W; slots are counted in lockstep. When fewer bytes result, the lowering "
+        "keeps every residual in kept slots instead (one pool).",
         "",
         table(rows),
         "",
@@ -322,9 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         scan_params_per_device(model)[0],
         "",
-        "The ring buffers can hold more than the predicted peak in M_B for two reasons: a "
-        "residual slot stays taken whole until W when W reads some residuals (the simulator "
-        "counts only w_mem = 0.5 M_B after B), and the lockstep tick loop can keep more "
+        "The ring buffers can hold more than the predicted peak in M_B for three reasons: "
+        "pools are sized by the largest stage and the busiest device, what W keeps is not "
+        "exactly the simulator's w_mem = 0.5 M_B, and the lockstep tick loop can keep more "
         "microbatches in flight than the event-driven simulation. *temp − ring* is what the "
         "compiled program holds besides the slots (messages, gradient accumulators, batch "
         "slices, scratch).",

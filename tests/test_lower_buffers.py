@@ -15,7 +15,7 @@ import zbjax
 from models import mlp
 from zbjax.lower import slot_layout
 from zbjax.partition import partition
-from zbjax.split import split
+from zbjax.split import forwarded_stash, split
 
 CFG = mlp.MLPConfig(in_dim=16, width=32, depth=4, out_dim=8, stage_boundaries=(1,))
 
@@ -39,6 +39,7 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule):
     pools = set()
     for slots, capacity in (
         (tables.num_residual_slots, low.residual_capacity),
+        (tables.num_kept_slots, low.kept_capacity),
         (tables.num_stash_slots, low.stash_capacity),
     ):
         for c in capacity:
@@ -78,21 +79,57 @@ def pipe_actions(schedule: str) -> list:
     return [(k, s) for k in kinds for s in range(2)]
 
 
-def test_w_reads_residuals_in_place_only_when_it_needs_nearly_all_of_them():
+def test_w_reads_the_residuals_it_needs_where_f_stored_them_and_b_copies_none():
     params = mlp.init_params(jax.random.key(0), CFG)
     microbatch = mlp.make_batch(jax.random.key(1), CFG, 8)
-    first, last = split(partition(mlp.make_loss_fn(CFG), params, microbatch))
-    # The first stage has no input cotangent: its B computes nothing and its W is the whole
-    # backward, so W reads every residual where F stored it and B copies nothing.
-    kept = slot_layout(first)
-    assert kept.weight_reads_residuals
-    # What B writes for it is only the output cotangent (a message, not a residual).
-    assert kept.stash_sizes == (int(np.prod(first.stage.jaxpr.out_avals[0].shape)),)
-    # The last stage's B consumes the activations' derivatives itself; W needs only the layer
-    # inputs, so B copies those into the stash and the residual slot is free after B.
-    copied = slot_layout(last)
-    assert not copied.weight_reads_residuals
-    assert all(where in ("stash", "param", "batch") for where, _ in copied.stash)
+    programs = split(partition(mlp.make_loss_fn(CFG), params, microbatch))
+    for program in programs:
+        layout = slot_layout(program)
+        stored = [
+            int(np.prod(a.shape))
+            for a, (where, _) in zip(program.residual_avals, layout.residuals, strict=True)
+            if where in ("residual", "kept")
+        ]
+        assert sum(layout.residual_sizes) + sum(layout.kept_sizes) == sum(stored)
+        # A stash value that is a residual is read where F stored it: B writes into the stash
+        # only what it computes (the weight matmuls' output cotangents).
+        forwarded = forwarded_stash(program)
+        for f, source in zip(forwarded, layout.stash, strict=True):
+            assert source == layout.residuals[f] if f is not None else source[0] == "stash"
+        # The kept slot holds only what W reads; the rest is in the residual slot, free at B.
+        read_by_w = {source for source in layout.stash if source[0] == "kept"}
+        assert read_by_w == {source for source in layout.residuals if source[0] == "kept"}
+        assert layout.has_kept
+    # The last stage's B needs the activations' derivatives (tanh'), which W does not: they
+    # stay in the residual slot. keep_all puts them in the kept slot too.
+    last = programs[-1]
+    assert sum(slot_layout(last).residual_sizes) > 0
+    everything = slot_layout(last, keep_all=True)
+    assert sum(everything.residual_sizes) == 0
+    assert sum(everything.kept_sizes) == sum(slot_layout(last).kept_sizes) + sum(
+        slot_layout(last).residual_sizes
+    )
+
+
+def test_the_step_allocates_the_kept_pool_the_tables_count():
+    params = mlp.init_params(jax.random.key(0), CFG)
+    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(mlp.make_loss_fn(CFG), mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    loss, grads = pipe.value_and_grad(params, batch)
+    want_loss, want_grads = jax.value_and_grad(mlp.make_loss_fn(CFG))(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, want_grads
+    )
+    low = pipe.lowering
+    tables = low.tables
+    assert tables.num_residual_slots and tables.num_kept_slots and tables.num_stash_slots
+    assert sum(low.kept_capacity) > 0
+    pool_bytes = sum(
+        int(np.prod(a.shape[2:])) * np.dtype(a.dtype).itemsize for a in low.pool_avals()
+    )
+    assert pool_bytes == low.slot_pool_bytes()
 
 
 def test_kept_buffers_give_the_same_step_twice_and_under_jit():

@@ -27,17 +27,18 @@ def build(name: str, num_devices: int, num_microbatches: int) -> Schedule:
     return schedules.build(name, stages, num_microbatches, num_devices=num_devices)
 
 
-def replay(tables, schedule: Schedule, until_weight: bool = True) -> None:
+def replay(tables, schedule: Schedule, kept: bool = True) -> None:
     """Replays the tables' reads and writes and asserts every read finds the right data.
 
-    Residual slots hold ("res", stage, mb) after F, stash slots ("stash", stage, mb) after B;
-    message slots hold (edge, mb, direction). A read that finds anything else means two live
-    items shared a slot or a message went to the wrong place. ``until_weight``: W reads the
-    residuals too (else its residual read is the spare index).
+    Residual slots hold ("res", stage, mb) after F, kept slots ("kept", stage, mb) after F,
+    stash slots ("stash", stage, mb) after B; message slots hold (edge, mb, direction). A read
+    that finds anything else means two live items shared a slot or a message went to the wrong
+    place. ``kept``: every stage has kept slots (else every kept index is the spare one).
     """
     kinds = schedules.backward_kinds(schedule)
     d_count = tables.num_devices
     residual = [dict() for _ in range(d_count)]
+    kept_slots = [dict() for _ in range(d_count)]
     stash = [dict() for _ in range(d_count)]
     inbox = [dict() for _ in range(d_count)]
     for t in range(tables.num_ticks):
@@ -47,6 +48,7 @@ def replay(tables, schedule: Schedule, until_weight: bool = True) -> None:
             s, i = int(tables.stage[t, d]), int(tables.microbatch[t, d])
             if kind == IDLE:
                 assert tables.residual_write[t, d] == tables.num_residual_slots
+                assert tables.kept_write[t, d] == tables.num_kept_slots
                 assert tables.stash_write[t, d] == tables.num_stash_slots
                 continue
             backward = kind in (BACKWARD_INPUT, BACKWARD)
@@ -58,14 +60,22 @@ def replay(tables, schedule: Schedule, until_weight: bool = True) -> None:
                 assert residual[d].get(int(tables.residual_read[t, d])) == ("res", s, i)
             if kind == BACKWARD_WEIGHT:
                 assert stash[d].get(int(tables.stash_read[t, d])) == ("stash", s, i)
-                if until_weight:
-                    assert residual[d].get(int(tables.residual_read[t, d])) == ("res", s, i)
+                assert tables.residual_read[t, d] == tables.num_residual_slots
+            if kind != FORWARD:
+                if kept:
+                    assert kept_slots[d].get(int(tables.kept_read[t, d])) == ("kept", s, i)
                 else:
-                    assert tables.residual_read[t, d] == tables.num_residual_slots
+                    assert tables.kept_read[t, d] == tables.num_kept_slots
             if kind == FORWARD:
                 slot = int(tables.residual_write[t, d])
                 assert slot < tables.num_residual_slots
                 residual[d][slot] = ("res", s, i)
+                if kept:
+                    slot = int(tables.kept_write[t, d])
+                    assert slot < tables.num_kept_slots
+                    kept_slots[d][slot] = ("kept", s, i)
+                else:
+                    assert tables.kept_write[t, d] == tables.num_kept_slots
             if kind == BACKWARD_INPUT:
                 slot = int(tables.stash_write[t, d])
                 assert slot < tables.num_stash_slots
@@ -95,17 +105,20 @@ def test_every_read_finds_its_data_when_the_tables_are_replayed(name):
     for devices, micro in ((2, 2), (4, 8)):
         schedule = build(name, devices, micro)
         replay(tick_tables(schedule), schedule)
-        until_b = tick_tables(schedule, residuals_until_weight=[False] * schedule.num_stages)
-        replay(until_b, schedule, until_weight=False)
+        without_kept = tick_tables(schedule, kept=[False] * schedule.num_stages)
+        replay(without_kept, schedule, kept=False)
 
 
-def test_residual_slots_free_at_b_when_w_reads_only_its_stash():
+def test_residual_slots_free_at_b_and_kept_slots_at_w():
     schedule = build("zb-h2", 4, 16)
-    keep = tick_tables(schedule)
-    free = tick_tables(schedule, residuals_until_weight=[False] * 4)
-    assert free.num_residual_slots < keep.num_residual_slots
-    assert free.num_stash_slots == keep.num_stash_slots > 0
-    assert tick_tables(build("1f1b", 4, 16)).num_stash_slots == 0
+    tables = tick_tables(schedule)
+    # W runs late in zb-h2: more microbatches sit between F and W than between F and B.
+    assert tables.num_kept_slots > tables.num_residual_slots
+    assert tables.num_stash_slots > 0
+    assert tick_tables(schedule, kept=[False] * 4).num_kept_slots == 0
+    fused = tick_tables(build("1f1b", 4, 16))
+    assert fused.num_stash_slots == 0
+    assert fused.num_kept_slots == fused.num_residual_slots
 
 
 def test_lockstep_ticks_run_each_action_after_all_its_dependencies():

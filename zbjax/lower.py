@@ -4,8 +4,9 @@ The program is a ``lax.scan`` over the ticks of ``zbjax.ticks.tick_tables``. Eac
 device runs at most one action (F, B, W or BW of one stage). The actions are a sequence of
 two-way ``lax.cond``s, one per (kind, stage), of which the tick's action code selects one; an
 action reads and updates the device's buffers in place: F writes its residuals into a residual
-slot, B reads them and writes what W needs into a stash slot, W and BW add their weight
-gradients into the device's gradient row, and F, B and BW put the messages they send into
+slot (those only B reads) and a kept slot (those W reads too), B reads both and writes what W
+needs beyond them into a stash slot, W reads the kept and stash slots, W and BW add their
+weight gradients into the device's gradient row, and F, B and BW put the messages they send into
 the tick's send payloads. Then every payload moves with one ``ppermute`` per distinct device
 shift (one flat operand per dtype) and is stored into message slots of the receiving device
 as the tables say. Collectives stay outside the conditionals.
@@ -145,73 +146,61 @@ def _edge_flags(graph: StageGraph, stage, edge_index: int, output: bool) -> list
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Where one stage's values sit in the device's residual and stash slots.
+    """Where one stage's values sit in the device's residual, kept and stash slots.
 
     Sources name where a value is found: ("residual", (k, offset, shape)) in a residual slot,
-    ("stash", (k, offset, shape)) in a stash slot (``k`` indexes the lowering's slot dtypes,
-    offsets are into the slot's flat vector of that dtype), or ("param", j) / ("batch", j) for
-    values that merely forward the stage's ``j``-th param or batch leaf. ``residuals[i]`` is
-    where B (or BW) finds residual ``i``; ``stash[i]`` where W finds stash value ``i``: W reads
-    a stored residual in the residual slot when ``slot_layout`` keeps that slot until W, else B
-    copies it into the stash slot. ``residual_sizes``/``stash_sizes`` are the elements used
-    per dtype.
+    ("kept", (k, offset, shape)) in a kept slot, ("stash", (k, offset, shape)) in a stash slot
+    (``k`` indexes the lowering's slot dtypes, offsets are into the slot's flat vector of that
+    dtype), or ("param", j) / ("batch", j) for values that merely forward the stage's ``j``-th
+    param or batch leaf. ``residuals[i]`` is where B (or BW) finds residual ``i``; ``stash[i]``
+    where W finds stash value ``i``. ``residual_sizes``/``kept_sizes``/``stash_sizes`` are the
+    elements used per dtype.
     """
 
     residuals: tuple[tuple[str, Any], ...]
     stash: tuple[tuple[str, Any], ...]
     residual_sizes: tuple[int, ...]
+    kept_sizes: tuple[int, ...]
     stash_sizes: tuple[int, ...]
 
     @property
-    def weight_reads_residuals(self) -> bool:
-        """Returns whether W reads values from the residual slot."""
-        return any(where == "residual" for where, _ in self.stash)
-
-
-#: B copies the stored residuals W reads into W's stash unless at most this share of the
-#: residual slot would be held for nothing until W; below it W reads them in the residual slot.
-FORWARD_WASTE_LIMIT = 0.1
+    def has_kept(self) -> bool:
+        """Returns whether the stage stores anything in a kept slot."""
+        return any(self.kept_sizes)
 
 
 def slot_layout(
-    program: StageProgram, dtypes: Sequence[str] | None = None, forward: bool | None = None
+    program: StageProgram, dtypes: Sequence[str] | None = None, keep_all: bool = False
 ) -> SlotLayout:
     """Returns ``program``'s slot layout over per-dtype vectors of ``dtypes`` (by default the
     dtypes of its own residuals and stash).
 
-    ``forward=True`` makes W read the residuals it needs in the residual slot, ``False`` makes
-    B copy them into the stash; ``None`` decides as follows.
-
-    W's stash values that are residuals can be read where F stored them, which saves B a copy
-    but keeps the whole residual slot until W. That is done when W reads nearly all of the slot
-    anyway (a first stage, whose B has no input cotangent to compute, needs every residual in
-    W); otherwise B copies them into the stash slot and the residual slot is free after B, as
-    the Zero Bubble memory model (M_B freed at B, M_W kept until W) has it.
+    F stores the residuals W reads too (``split.forwarded_stash``: the ``x`` of ``x @ A``) in a
+    kept slot, which lives until W, and the others in a residual slot, which is free after B:
+    the Zero Bubble memory model (M_B freed at B, what W needs kept until W) without B copying
+    anything for W. B writes into the stash slot only what F did not store. ``keep_all=True``
+    stores every residual in the kept slot (one pool instead of two; fewer bytes when W reads
+    nearly all of them anyway, or when the schedule fuses B and W).
     """
     if dtypes is None:
         dtypes = _union_dtypes([*stored_residual_avals(program), *program.stash_avals])
     dtypes = tuple(dtypes)
     sources = residual_sources(program)
     stored_avals = stored_residual_avals(program)
-    stored = packing(stored_avals, dtypes)
-    residuals = tuple(
-        ("residual", stored.items[j]) if where == "slot" else (where, j) for where, j in sources
-    )
     forwarded = forwarded_stash(program)
-    read_in_slot = {sources[f][1] for f in forwarded if f is not None and sources[f][0] == "slot"}
-    slot_bytes = sum(_nbytes(a) for a in stored_avals)
-    unread = sum(_nbytes(a) for j, a in enumerate(stored_avals) if j not in read_in_slot)
-    keep = unread <= FORWARD_WASTE_LIMIT * slot_bytes if forward is None else forward
-    # Stash values W finds elsewhere: in the residual slot (if kept), a param or a batch leaf.
-    elsewhere = [f is not None and (keep or residuals[f][0] != "residual") for f in forwarded]
-    new_avals = [a for a, e in zip(program.stash_avals, elsewhere, strict=True) if not e]
-    new = packing(new_avals, dtypes)
-    written = iter(new.items)
-    stash = tuple(
-        residuals[f] if e else ("stash", next(written))
-        for f, e in zip(forwarded, elsewhere, strict=True)
+    read_by_w = {sources[f][1] for f in forwarded if f is not None and sources[f][0] == "slot"}
+    in_kept = [keep_all or j in read_by_w for j in range(len(stored_avals))]
+    kept = packing([a for a, k in zip(stored_avals, in_kept, strict=True) if k], dtypes)
+    rest = packing([a for a, k in zip(stored_avals, in_kept, strict=True) if not k], dtypes)
+    placed = iter(kept.items), iter(rest.items)
+    stored = [("kept", next(placed[0])) if k else ("residual", next(placed[1])) for k in in_kept]
+    residuals = tuple(stored[j] if where == "slot" else (where, j) for where, j in sources)
+    new = packing(
+        [a for a, f in zip(program.stash_avals, forwarded, strict=True) if f is None], dtypes
     )
-    return SlotLayout(residuals, stash, stored.sizes, new.sizes)
+    written = iter(new.items)
+    stash = tuple(residuals[f] if f is not None else ("stash", next(written)) for f in forwarded)
+    return SlotLayout(residuals, stash, rest.sizes, kept.sizes, new.sizes)
 
 
 def _nbytes(aval: Any) -> int:
@@ -244,14 +233,16 @@ class Lowering:
     slot_dtypes: tuple[str, ...]
     slot_layouts: tuple[SlotLayout, ...]
     residual_capacity: tuple[int, ...]
+    kept_capacity: tuple[int, ...]
     stash_capacity: tuple[int, ...]
     message_dtypes: tuple[str, ...]
     message_capacity: tuple[int, ...]
 
-    def slot_bytes(self) -> tuple[int, int, int]:
-        """Returns the bytes of one residual slot, one stash slot and one message slot."""
+    def slot_bytes(self) -> tuple[int, int, int, int]:
+        """Returns the bytes of one residual, kept, stash and message slot."""
         return (
             _slot_bytes(self.slot_dtypes, self.residual_capacity),
+            _slot_bytes(self.slot_dtypes, self.kept_capacity),
             _slot_bytes(self.slot_dtypes, self.stash_capacity),
             _slot_bytes(self.message_dtypes, self.message_capacity),
         )
@@ -271,14 +262,26 @@ class Lowering:
         """Returns how many data-parallel shards each microbatch's rows are split into."""
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes], dtype=np.int64))
 
+    def slot_pool_bytes(self) -> int:
+        """Returns the bytes of all residual, kept and stash slots of one device."""
+        tables = self.tables
+        res, kept, stash, _ = self.slot_bytes()
+        return (
+            res * tables.num_residual_slots
+            + kept * tables.num_kept_slots
+            + stash * tables.num_stash_slots
+        )
+
     def pool_avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Returns the slot pools' shapes, ``[pp devices, data-parallel shards, slots,
-        capacity]`` each: the residual pool per slot dtype, then the stash pool per slot dtype."""
+        capacity]`` each: the residual pool per slot dtype, then the kept pool, then the stash
+        pool."""
         d, dp = self.tables.num_devices, self.data_parallel_size
         return tuple(
             jax.ShapeDtypeStruct((d, dp, max(slots, 1), c), dt)
             for slots, capacity in (
                 (self.tables.num_residual_slots, self.residual_capacity),
+                (self.tables.num_kept_slots, self.kept_capacity),
                 (self.tables.num_stash_slots, self.stash_capacity),
             )
             for dt, c in zip(self.slot_dtypes, capacity, strict=True)
@@ -331,7 +334,7 @@ def lower(
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
-    slot_layouts, tables, (residual_capacity, stash_capacity) = _slots_and_tables(
+    slot_layouts, tables, (residual_capacity, kept_capacity, stash_capacity) = _slots_and_tables(
         programs, slot_dtypes, schedule, graph
     )
     layout = staged_layout(
@@ -358,6 +361,7 @@ def lower(
         slot_dtypes=slot_dtypes,
         slot_layouts=slot_layouts,
         residual_capacity=residual_capacity,
+        kept_capacity=kept_capacity,
         stash_capacity=stash_capacity,
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
@@ -366,8 +370,8 @@ def lower(
 
 def _capacities(
     slot_layouts: Sequence[SlotLayout], tables: TickTables
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Returns the per-dtype sizes of one residual slot and one stash slot."""
+) -> tuple[tuple[int, ...], ...]:
+    """Returns the per-dtype sizes of one residual, one kept and one stash slot."""
     # Stash slots are sized over the stages that run a separate W in this schedule.
     split_stages = {
         int(s)
@@ -376,38 +380,33 @@ def _capacities(
     }
     num_dtypes = len(slot_layouts[0].residual_sizes) if slot_layouts else 0
     residual = tuple(max(s.residual_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
+    kept = tuple(max(s.kept_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
     stash = tuple(
         max((slot_layouts[s].stash_sizes[k] for s in split_stages), default=0)
         for k in range(num_dtypes)
     )
-    return residual, stash
+    return residual, kept, stash
 
 
 def _slots_and_tables(
     programs: Sequence[StageProgram], dtypes: Sequence[str], schedule: Schedule, graph: StageGraph
-) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Returns the slot layouts, tick tables and (residual, stash) slot sizes per dtype that
-    hold the fewest bytes of slots.
+) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...]]:
+    """Returns the slot layouts, tick tables and (residual, kept, stash) slot sizes per dtype
+    that hold the fewest bytes of slots.
 
-    Two candidates: every stage's W reads its residuals in the residual slot (which then lives
-    until W; B copies nothing), or ``slot_layout``'s per-stage rule (B copies them into the
-    stash unless W reads nearly the whole slot). Which needs less memory depends on how many
-    slots of each pool the schedule keeps in flight, so both are counted; a tie keeps the
-    first, which copies less.
+    Two candidates: every stage keeps the residuals W reads in kept slots and the others in
+    residual slots, free after B (``slot_layout``); or every stage keeps all its residuals in
+    kept slots. Pools are sized by the largest stage and by the device with the most slots in
+    flight, so which holds fewer bytes depends on the schedule (when it fuses B and W, one pool
+    does); both are counted, and a tie keeps the first.
     """
     best = None
-    for forward in (True, None):
-        layouts = tuple(slot_layout(p, dtypes, forward) for p in programs)
-        tables = tick_tables(
-            schedule,
-            message_edges(graph),
-            residuals_until_weight=[s.weight_reads_residuals for s in layouts],
-        )
+    for keep_all in (False, True):
+        layouts = tuple(slot_layout(p, dtypes, keep_all) for p in programs)
+        tables = tick_tables(schedule, message_edges(graph), kept=[s.has_kept for s in layouts])
         capacities = _capacities(layouts, tables)
-        size = (
-            _slot_bytes(dtypes, capacities[0]) * tables.num_residual_slots
-            + _slot_bytes(dtypes, capacities[1]) * tables.num_stash_slots
-        )
+        counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
+        size = sum(_slot_bytes(dtypes, c) * n for c, n in zip(capacities, counts, strict=True))
         if best is None or size < best[0]:
             best = (size, layouts, tables, capacities)
     return best[1:]
@@ -476,6 +475,7 @@ class _TickState:
     """What one tick's actions update: the device's buffers and what leaves the device."""
 
     residuals: list  # per slot dtype, [residual slots, capacity]
+    kept: list  # per slot dtype, [kept slots, capacity]
     stash: list  # per slot dtype, [stash slots, capacity]
     grads: list  # per param dtype, the device's gradient row
     sends: list  # per shift, per message dtype, the payload to send
@@ -483,7 +483,9 @@ class _TickState:
 
 
 jax.tree_util.register_dataclass(
-    _TickState, data_fields=["residuals", "stash", "grads", "sends", "loss"], meta_fields=[]
+    _TickState,
+    data_fields=["residuals", "kept", "stash", "grads", "sends", "loss"],
+    meta_fields=[],
 )
 
 
@@ -498,7 +500,7 @@ def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
     The dependency is one element of each written buffer, selected under a predicate that is
     never true (action codes are not negative), so the payload's values never change.
     """
-    written = [*state.residuals, *state.stash, *state.grads, state.loss]
+    written = [*state.residuals, *state.kept, *state.stash, *state.grads, state.loss]
     parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in written if b.size]
     if not parts:
         return state
@@ -518,7 +520,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     """Returns the function running action ``kind`` of stage ``stage_index`` for one tick.
 
     It takes the tick state and returns it updated in place: F writes its residuals into a
-    residual slot, B reads them and writes W's stash into a stash slot, W and BW add their
+    residual slot and a kept slot, B reads them and writes the rest of W's stash into a stash
+    slot, W reads the kept and stash slots, W and BW add their
     weight gradient into the gradient row; F, B and BW put the messages they send into the
     send payloads. No action reads and writes the same slot pool, which lets XLA keep every
     buffer in place through the conditional that runs the action (a buffer read and written
@@ -593,7 +596,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
         return place_sends(sends, values_of_edge)
 
     def action(state: _TickState, ctx: dict) -> _TickState:
-        residual_buf, stash_buf, grads = list(state.residuals), list(state.stash), list(state.grads)
+        residual_buf, kept_buf = list(state.residuals), list(state.kept)
+        stash_buf, grads = list(state.stash), list(state.grads)
         sends, loss = state.sends, state.loss
 
         def batch_mb(j):
@@ -608,6 +612,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
             )
             pools = {
                 "residual": (residual_buf, ctx["residual_read"]),
+                "kept": (kept_buf, ctx["kept_read"]),
                 "stash": (stash_buf, ctx["stash_read"]),
             }
             out = []
@@ -632,9 +637,13 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     loss = outputs[0].astype(loss.dtype)
                 else:
                     sends = place_sends(sends, lambda e: [outputs[p] for p in out_positions[e]])
+                writes = {
+                    "residual": (residual_buf, ctx["residual_write"]),
+                    "kept": (kept_buf, ctx["kept_write"]),
+                }
                 for (where, item), value in zip(slots.residuals, residuals, strict=True):
-                    if where == "residual":
-                        _write_slot(residual_buf, ctx["residual_write"], item, value)
+                    if where in writes:
+                        _write_slot(*writes[where], item, value)
             elif kind in (BACKWARD_INPUT, BACKWARD):
                 residuals = resolve(slots.residuals)
                 messages = incoming(ctx["messages"], ctx["message_read"])
@@ -651,7 +660,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
             else:  # BACKWARD_WEIGHT
                 param_cts = jaxpr_as_fun(program.backward_weight)(*resolve(slots.stash))
                 _add_gradients(layout, stage_index, grads, param_cts)
-        return _TickState(residual_buf, stash_buf, grads, sends, loss)
+        return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss)
 
     return action
 
@@ -693,6 +702,8 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         tables.microbatch,
         tables.residual_read,
         tables.residual_write,
+        tables.kept_read,
+        tables.kept_write,
         tables.stash_read,
         tables.stash_write,
         tables.message_read,
@@ -726,15 +737,17 @@ def _run(
             # Never read before an action writes it, so it need not be zeroed (backends that
             # can skip it do).
             pools = [uninitialized(a.shape[2:], a.dtype) for a in low.pool_avals()]
-        residual_buf, stash_buf = pools[:num_slot_dtypes], pools[num_slot_dtypes:]
+        n = num_slot_dtypes
+        residual_buf, kept_buf, stash_buf = pools[:n], pools[n : 2 * n], pools[2 * n :]
         message_buf = [
             jnp.zeros((msg_slots, c), dt)
             for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
         ]
 
         def tick(carry, x):
-            residual_buf, stash_buf, grads, message_buf, loss_sum = carry
-            code, micro, res_read, res_write, st_read, st_write, msg_read, msg_write = x
+            residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
+            (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write) = x[:8]
+            msg_read, msg_write = x[8:]
             ctx = dict(
                 rows=rows,
                 batch=batch,
@@ -743,11 +756,14 @@ def _run(
                 message_read=msg_read,
                 residual_read=res_read,
                 residual_write=res_write,
+                kept_read=kept_read,
+                kept_write=kept_write,
                 stash_read=st_read,
                 stash_write=st_write,
             )
             state = _TickState(
                 residual_buf,
+                kept_buf,
                 stash_buf,
                 grads,
                 [
@@ -779,18 +795,27 @@ def _run(
                         )
                         for b, p, c in zip(message_buf, payload, low.message_capacity, strict=True)
                     ]
-            carry = (state.residuals, state.stash, state.grads, message_buf, loss_sum + state.loss)
+            carry = (
+                state.residuals,
+                state.kept,
+                state.stash,
+                state.grads,
+                message_buf,
+                loss_sum + state.loss,
+            )
             return carry, None
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
-        carry = (residual_buf, stash_buf, grads, message_buf, jnp.zeros((), loss_aval.dtype))
-        (residual_buf, stash_buf, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
+        zero = jnp.zeros((), loss_aval.dtype)
+        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, zero)
+        (residual_buf, kept_buf, stash_buf, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         loss = jax.lax.psum(loss_sum, axis) / num_micro
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
             loss = jax.lax.pmean(loss, data_axes)
             grads = [jax.lax.pmean(g, data_axes) for g in grads]
-        out_pools = [p[None, None] for p in (*residual_buf, *stash_buf)] if given_pools else []
+        pools = (*residual_buf, *kept_buf, *stash_buf)
+        out_pools = [p[None, None] for p in pools] if given_pools else []
         return loss, [g[None] for g in grads], out_pools
 
     mesh = low.mesh

@@ -294,7 +294,7 @@ class Pipeline:
         low = built.lowering
         costs = _program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
-        res_bytes, stash_bytes, msg_bytes = low.slot_bytes()
+        res_bytes, kept_bytes, stash_bytes, msg_bytes = low.slot_bytes()
         lines = [
             f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
             f"{self.num_devices} devices (axis {self.axis_name!r}), "
@@ -309,7 +309,8 @@ class Pipeline:
             "",
             f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
             f"lockstep ticks: {low.tables.num_ticks}; residual slots per device: "
-            f"{low.tables.num_residual_slots} x {res_bytes:,} B; W stash slots: "
+            f"{low.tables.num_residual_slots} x {res_bytes:,} B; kept until W: "
+            f"{low.tables.num_kept_slots} x {kept_bytes:,} B; W stash slots: "
             f"{low.tables.num_stash_slots} x {stash_bytes:,} B; message slots: "
             f"{low.tables.num_message_slots} x {msg_bytes:,} B",
             f"staged params per device: {low.layout.bytes_per_device():,} B",

@@ -6,14 +6,16 @@ action; an action may run at tick ``t`` once every action it depends on ran at a
 ``t + 1``). This module turns a ``Schedule`` into integer tables indexed ``[tick, device]`` and
 allocates the buffer slots the lowering reads and writes. Pure Python and NumPy, no JAX.
 
-Data that outlives a tick sits in two slot pools per device, both sized by the schedule's peak
+Data that outlives a tick sits in slot pools per device, each sized by the schedule's peak
 number of items in flight (interval colouring), never by the number of microbatches:
 
-- **residual slots**: one per (stage, microbatch) from its F until its B (or BW), or until its
-  W when W reads some of the residuals too (``residuals_until_weight``). F writes the
-  residuals, B (or BW) reads them.
+- **residual slots**: one per (stage, microbatch) from its F until its B (or BW). F writes the
+  residuals only B needs, B (or BW) reads them.
+- **kept slots**: one per (stage, microbatch) from its F until its W (or BW), for the stages
+  that have any (``kept``): F writes the residuals W reads too (the ``x`` of ``x @ A``), B
+  and W both read them there, so B copies nothing for W.
 - **stash slots**: one per (stage, microbatch) from its B until its W: B writes what W needs
-  beyond the residuals, W reads it.
+  that F did not store (the output cotangents of the weight matmuls), W reads it.
 - **message slots**: one per *message* from the tick it is sent until the tick it is read. A
   message is one stage-graph edge's values for one microbatch (sent by F of the edge's source
   to F of its destination) or their cotangents (sent by B/BW of the destination to B/BW of the
@@ -60,9 +62,10 @@ class TickTables:
     """Integer tables ``[num_ticks, num_devices, ...]`` that drive the lowered tick loop.
 
     ``kind``/``stage``/``microbatch`` say which action runs (kind ``IDLE`` = none).
-    ``residual_read`` is the residual slot B/W/BW read; ``residual_write`` the slot F writes its
-    residuals to; ``stash_write`` the stash slot B writes and ``stash_read`` the one W reads
-    (the spare index otherwise). ``message_read[t, d, j]`` is the
+    ``residual_read`` is the residual slot B/BW read; ``residual_write`` the slot F writes its
+    residuals to; ``kept_read`` the kept slot B/W/BW read and ``kept_write`` the one F writes;
+    ``stash_write`` the stash slot B writes and ``stash_read`` the one W reads (the spare index
+    otherwise). ``message_read[t, d, j]`` is the
     message slot holding the j-th input of the action: F's in-edges or B/BW's out-edge
     cotangents, in edge order (the spare slot past the last). ``message_write[t, d, k, j]`` is
     where device ``d`` stores the j-th message that arrives over ``shifts[k]`` at the end of
@@ -75,6 +78,8 @@ class TickTables:
     microbatch: np.ndarray
     residual_read: np.ndarray
     residual_write: np.ndarray
+    kept_read: np.ndarray
+    kept_write: np.ndarray
     stash_read: np.ndarray
     stash_write: np.ndarray
     message_read: np.ndarray
@@ -82,6 +87,7 @@ class TickTables:
     shifts: tuple[int, ...]
     messages_per_shift: tuple[int, ...]
     num_residual_slots: int
+    num_kept_slots: int
     num_stash_slots: int
     num_message_slots: int
     edges: tuple[MessageEdge, ...]
@@ -221,14 +227,14 @@ def _colour_intervals(intervals: Sequence[tuple[int, int, object]]) -> tuple[dic
 def tick_tables(
     schedule: Schedule,
     edges: Sequence[MessageEdge] | None = None,
-    residuals_until_weight: Sequence[bool] | None = None,
+    kept: Sequence[bool] | None = None,
 ) -> TickTables:
     """Returns the lockstep tables and slot allocation that run ``schedule``.
 
     ``edges`` are the stage graph's edges (one message each per microbatch and direction);
     by default one edge per ``schedule.edges`` pair, every one carrying cotangents.
-    ``residuals_until_weight[s]`` says whether stage ``s``'s W reads residuals (its residual
-    slot then lives until W, else until B); by default every stage's does.
+    ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (in a kept slot that
+    lives until W); by default every stage does.
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -245,11 +251,12 @@ def tick_tables(
     num_ticks = max(tick_of.values(), default=-1) + 1
     kinds = backward_kinds(schedule)
 
-    if residuals_until_weight is None:
-        residuals_until_weight = (True,) * schedule.num_stages
-    # Residual slots live from F until B (until W when W reads residuals) or BW; stash slots
-    # from B until W; per device.
+    if kept is None:
+        kept = (True,) * schedule.num_stages
+    # Per device: residual slots live from F until B or BW, kept slots from F until W or BW,
+    # stash slots from B until W.
     residual_intervals: list[list] = [[] for _ in range(num_devices)]
+    kept_intervals: list[list] = [[] for _ in range(num_devices)]
     stash_intervals: list[list] = [[] for _ in range(num_devices)]
     for action, tick in tick_of.items():
         if action.kind == "F":
@@ -260,15 +267,18 @@ def tick_tables(
                     f"dependency rule: {action} has no backward ({last}) in the schedule; "
                     "every forward needs a backward"
                 )
+            if kept[s]:
+                kept_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
             if last.kind == "W":
                 stash_intervals[placement[s]].append(
                     (tick_of[Action("B", s, i)], tick_of[last], (s, i))
                 )
-                if not residuals_until_weight[s]:
-                    last = Action("B", s, i)
+                last = Action("B", s, i)
             residual_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
     residual_slots = [_colour_intervals(iv) for iv in residual_intervals]
     num_residual_slots = max((n for _, n in residual_slots), default=0)
+    kept_slots = [_colour_intervals(iv) for iv in kept_intervals]
+    num_kept_slots = max((n for _, n in kept_slots), default=0)
     stash_slots = [_colour_intervals(iv) for iv in stash_intervals]
     num_stash_slots = max((n for _, n in stash_slots), default=0)
 
@@ -315,6 +325,8 @@ def tick_tables(
     microbatch = np.zeros(shape, np.int32)
     residual_read = np.full(shape, num_residual_slots, np.int32)
     residual_write = np.full(shape, num_residual_slots, np.int32)
+    kept_read = np.full(shape, num_kept_slots, np.int32)
+    kept_write = np.full(shape, num_kept_slots, np.int32)
     stash_read = np.full(shape, num_stash_slots, np.int32)
     stash_write = np.full(shape, num_stash_slots, np.int32)
     message_read = np.full(shape + (max_reads,), num_message_slots, np.int32)
@@ -328,8 +340,11 @@ def tick_tables(
         slot = residual_slots[d][0][(s, i)]
         if action.kind == "F":
             residual_write[tick, d] = slot
-        elif action.kind != "W" or residuals_until_weight[s]:
+        elif action.kind != "W":
             residual_read[tick, d] = slot
+        if kept[s]:
+            slot = kept_slots[d][0][(s, i)]
+            (kept_write if action.kind == "F" else kept_read)[tick, d] = slot
         if action.kind in ("B", "W"):
             stash = stash_slots[d][0][(s, i)]
             (stash_write if action.kind == "B" else stash_read)[tick, d] = stash
@@ -346,6 +361,8 @@ def tick_tables(
         microbatch=microbatch,
         residual_read=residual_read,
         residual_write=residual_write,
+        kept_read=kept_read,
+        kept_write=kept_write,
         stash_read=stash_read,
         stash_write=stash_write,
         message_read=message_read,
@@ -353,6 +370,7 @@ def tick_tables(
         shifts=shifts,
         messages_per_shift=tuple(messages_per_shift),
         num_residual_slots=num_residual_slots,
+        num_kept_slots=num_kept_slots,
         num_stash_slots=num_stash_slots,
         num_message_slots=num_message_slots,
         edges=edges,
