@@ -27,13 +27,14 @@ def build(name: str, num_devices: int, num_microbatches: int) -> Schedule:
     return schedules.build(name, stages, num_microbatches, num_devices=num_devices)
 
 
-def replay(tables, schedule: Schedule, kept: bool = True) -> None:
+def replay(tables, schedule: Schedule, kept: bool = True, until_weight: bool = False) -> None:
     """Replays the tables' reads and writes and asserts every read finds the right data.
 
     Residual slots hold ("res", stage, mb) after F, kept slots ("kept", stage, mb) after F,
     stash slots ("stash", stage, mb) after B; message slots hold (edge, mb, direction). A read
     that finds anything else means two live items shared a slot or a message went to the wrong
-    place. ``kept``: every stage has kept slots (else every kept index is the spare one).
+    place. ``kept``: every stage has kept slots (else every kept index is the spare one);
+    ``until_weight``: W reads the residual slot too (else its residual read is the spare).
     """
     kinds = schedules.backward_kinds(schedule)
     d_count = tables.num_devices
@@ -60,7 +61,10 @@ def replay(tables, schedule: Schedule, kept: bool = True) -> None:
                 assert residual[d].get(int(tables.residual_read[t, d])) == ("res", s, i)
             if kind == BACKWARD_WEIGHT:
                 assert stash[d].get(int(tables.stash_read[t, d])) == ("stash", s, i)
-                assert tables.residual_read[t, d] == tables.num_residual_slots
+                if until_weight:
+                    assert residual[d].get(int(tables.residual_read[t, d])) == ("res", s, i)
+                else:
+                    assert tables.residual_read[t, d] == tables.num_residual_slots
             if kind != FORWARD:
                 if kept:
                     assert kept_slots[d].get(int(tables.kept_read[t, d])) == ("kept", s, i)
@@ -105,8 +109,9 @@ def test_every_read_finds_its_data_when_the_tables_are_replayed(name):
     for devices, micro in ((2, 2), (4, 8)):
         schedule = build(name, devices, micro)
         replay(tick_tables(schedule), schedule)
-        without_kept = tick_tables(schedule, kept=[False] * schedule.num_stages)
-        replay(without_kept, schedule, kept=False)
+        n = schedule.num_stages
+        whole = tick_tables(schedule, kept=[False] * n, residuals_until_weight=[True] * n)
+        replay(whole, schedule, kept=False, until_weight=True)
 
 
 def test_residual_slots_free_at_b_and_kept_slots_at_w():
@@ -115,7 +120,9 @@ def test_residual_slots_free_at_b_and_kept_slots_at_w():
     # W runs late in zb-h2: more microbatches sit between F and W than between F and B.
     assert tables.num_kept_slots > tables.num_residual_slots
     assert tables.num_stash_slots > 0
-    assert tick_tables(schedule, kept=[False] * 4).num_kept_slots == 0
+    whole = tick_tables(schedule, kept=[False] * 4, residuals_until_weight=[True] * 4)
+    assert whole.num_kept_slots == 0
+    assert whole.num_residual_slots == tables.num_kept_slots
     fused = tick_tables(build("1f1b", 4, 16))
     assert fused.num_stash_slots == 0
     assert fused.num_kept_slots == fused.num_residual_slots

@@ -168,19 +168,29 @@ class SlotLayout:
         """Returns whether the stage stores anything in a kept slot."""
         return any(self.kept_sizes)
 
+    @property
+    def weight_reads_residuals(self) -> bool:
+        """Returns whether W reads the residual slot (which then lives until W)."""
+        return any(where == "residual" for where, _ in self.stash)
+
 
 def slot_layout(
-    program: StageProgram, dtypes: Sequence[str] | None = None, keep_all: bool = False
+    program: StageProgram, dtypes: Sequence[str] | None = None, whole: bool | None = False
 ) -> SlotLayout:
     """Returns ``program``'s slot layout over per-dtype vectors of ``dtypes`` (by default the
     dtypes of its own residuals and stash).
 
-    F stores the residuals W reads too (``split.forwarded_stash``: the ``x`` of ``x @ A``) in a
-    kept slot, which lives until W, and the others in a residual slot, which is free after B:
-    the Zero Bubble memory model (M_B freed at B, what W needs kept until W) without B copying
-    anything for W. B writes into the stash slot only what F did not store. ``keep_all=True``
-    stores every residual in the kept slot (one pool instead of two; fewer bytes when W reads
-    nearly all of them anyway, or when the schedule fuses B and W).
+    W reads some residuals too (``split.forwarded_stash``: the ``x`` of ``x @ A``); it reads
+    them where F stored them, so B copies nothing for W and writes into the stash slot only
+    what F did not store. Where F stores them:
+
+    - ``whole=False``: in a kept slot, which lives until W, and the others in a residual slot,
+      free after B: the Zero Bubble memory model (M_B freed at B, what W needs kept until W).
+    - ``whole=True``: every residual in the residual slot, which then lives until W (one pool
+      instead of two: fewer bytes when W reads nearly all of them, as on a first stage whose B
+      has no input cotangent to compute).
+    - ``whole=None``: ``True`` when at most ``WHOLE_SLOT_WASTE`` of the stored bytes would be
+      held until W for nothing, else ``False``.
     """
     if dtypes is None:
         dtypes = _union_dtypes([*stored_residual_avals(program), *program.stash_avals])
@@ -189,7 +199,10 @@ def slot_layout(
     stored_avals = stored_residual_avals(program)
     forwarded = forwarded_stash(program)
     read_by_w = {sources[f][1] for f in forwarded if f is not None and sources[f][0] == "slot"}
-    in_kept = [keep_all or j in read_by_w for j in range(len(stored_avals))]
+    if whole is None:
+        unread = sum(_nbytes(a) for j, a in enumerate(stored_avals) if j not in read_by_w)
+        whole = bool(read_by_w) and unread <= WHOLE_SLOT_WASTE * sum(map(_nbytes, stored_avals))
+    in_kept = [not whole and j in read_by_w for j in range(len(stored_avals))]
     kept = packing([a for a, k in zip(stored_avals, in_kept, strict=True) if k], dtypes)
     rest = packing([a for a, k in zip(stored_avals, in_kept, strict=True) if not k], dtypes)
     placed = iter(kept.items), iter(rest.items)
@@ -201,6 +214,11 @@ def slot_layout(
     written = iter(new.items)
     stash = tuple(residuals[f] if f is not None else ("stash", next(written)) for f in forwarded)
     return SlotLayout(residuals, stash, rest.sizes, kept.sizes, new.sizes)
+
+
+#: ``slot_layout(whole=None)`` keeps a stage's whole residual slot until W when at most this
+#: share of it would be held for nothing (W reads the rest), instead of a separate kept slot.
+WHOLE_SLOT_WASTE = 0.1
 
 
 def _nbytes(aval: Any) -> int:
@@ -394,16 +412,21 @@ def _slots_and_tables(
     """Returns the slot layouts, tick tables and (residual, kept, stash) slot sizes per dtype
     that hold the fewest bytes of slots.
 
-    Two candidates: every stage keeps the residuals W reads in kept slots and the others in
-    residual slots, free after B (``slot_layout``); or every stage keeps all its residuals in
-    kept slots. Pools are sized by the largest stage and by the device with the most slots in
-    flight, so which holds fewer bytes depends on the schedule (when it fuses B and W, one pool
-    does); both are counted, and a tie keeps the first.
+    Pools are as large as the largest stage's values times the most slots in flight on any
+    device, so the best place for what W reads depends on the schedule. Three candidates are
+    counted (``slot_layout``'s ``whole``): every stage keeps it in kept slots, every stage keeps
+    its whole residual slot until W, or each stage decides by how much of its slot W reads.
+    A tie keeps the earlier candidate.
     """
     best = None
-    for keep_all in (False, True):
-        layouts = tuple(slot_layout(p, dtypes, keep_all) for p in programs)
-        tables = tick_tables(schedule, message_edges(graph), kept=[s.has_kept for s in layouts])
+    for whole in (False, True, None):
+        layouts = tuple(slot_layout(p, dtypes, whole) for p in programs)
+        tables = tick_tables(
+            schedule,
+            message_edges(graph),
+            kept=[s.has_kept for s in layouts],
+            residuals_until_weight=[s.weight_reads_residuals for s in layouts],
+        )
         capacities = _capacities(layouts, tables)
         counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
         size = sum(_slot_bytes(dtypes, c) * n for c, n in zip(capacities, counts, strict=True))

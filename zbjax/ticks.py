@@ -9,8 +9,9 @@ allocates the buffer slots the lowering reads and writes. Pure Python and NumPy,
 Data that outlives a tick sits in slot pools per device, each sized by the schedule's peak
 number of items in flight (interval colouring), never by the number of microbatches:
 
-- **residual slots**: one per (stage, microbatch) from its F until its B (or BW). F writes the
-  residuals only B needs, B (or BW) reads them.
+- **residual slots**: one per (stage, microbatch) from its F until its B (or BW), or until its
+  W when W reads some of them (``residuals_until_weight``). F writes the residuals, B (or
+  BW) reads them.
 - **kept slots**: one per (stage, microbatch) from its F until its W (or BW), for the stages
   that have any (``kept``): F writes the residuals W reads too (the ``x`` of ``x @ A``), B
   and W both read them there, so B copies nothing for W.
@@ -228,13 +229,16 @@ def tick_tables(
     schedule: Schedule,
     edges: Sequence[MessageEdge] | None = None,
     kept: Sequence[bool] | None = None,
+    residuals_until_weight: Sequence[bool] | None = None,
 ) -> TickTables:
     """Returns the lockstep tables and slot allocation that run ``schedule``.
 
     ``edges`` are the stage graph's edges (one message each per microbatch and direction);
     by default one edge per ``schedule.edges`` pair, every one carrying cotangents.
     ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (in a kept slot that
-    lives until W); by default every stage does.
+    lives until W); by default every stage does. ``residuals_until_weight[s]`` says whether
+    stage ``s``'s W reads its residual slot (which then lives until W, else until B); by
+    default none does.
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -253,6 +257,8 @@ def tick_tables(
 
     if kept is None:
         kept = (True,) * schedule.num_stages
+    if residuals_until_weight is None:
+        residuals_until_weight = (False,) * schedule.num_stages
     # Per device: residual slots live from F until B or BW, kept slots from F until W or BW,
     # stash slots from B until W.
     residual_intervals: list[list] = [[] for _ in range(num_devices)]
@@ -273,7 +279,8 @@ def tick_tables(
                 stash_intervals[placement[s]].append(
                     (tick_of[Action("B", s, i)], tick_of[last], (s, i))
                 )
-                last = Action("B", s, i)
+                if not residuals_until_weight[s]:
+                    last = Action("B", s, i)
             residual_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
     residual_slots = [_colour_intervals(iv) for iv in residual_intervals]
     num_residual_slots = max((n for _, n in residual_slots), default=0)
@@ -340,7 +347,7 @@ def tick_tables(
         slot = residual_slots[d][0][(s, i)]
         if action.kind == "F":
             residual_write[tick, d] = slot
-        elif action.kind != "W":
+        elif action.kind != "W" or residuals_until_weight[s]:
             residual_read[tick, d] = slot
         if kept[s]:
             slot = kept_slots[d][0][(s, i)]
