@@ -20,20 +20,31 @@ from zbjax.split import forwarded_stash, split
 CFG = mlp.MLPConfig(in_dim=16, width=32, depth=4, out_dim=8, stage_boundaries=(1,))
 
 
-def _compiled_text(schedule: str, microbatches: int) -> tuple[str, zbjax.Pipeline]:
-    params = mlp.init_params(jax.random.key(0), CFG)
-    batch = mlp.make_batch(jax.random.key(1), CFG, 8 * microbatches)
+#: A 2-stage GPT on which zb-h2 at m = 4 keeps W's inputs in kept slots (see below).
+GPT_CFG = gpt.GPTConfig(
+    vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2, stage_boundaries=(0,)
+)
+
+
+def _compiled_text(
+    schedule: str, microbatches: int, model: str = "mlp"
+) -> tuple[str, zbjax.Pipeline]:
+    module, cfg = (mlp, CFG) if model == "mlp" else (gpt, GPT_CFG)
+    params = module.init_params(jax.random.key(0), cfg)
+    batch = module.make_batch(jax.random.key(1), cfg, (8 if model == "mlp" else 2) * microbatches)
     mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
     pipe = zbjax.pipeline(
-        mlp.make_loss_fn(CFG), mesh=mesh, schedule=schedule, num_microbatches=microbatches
+        module.make_loss_fn(cfg), mesh=mesh, schedule=schedule, num_microbatches=microbatches
     )
     staged = pipe.stage(params, batch)
     return pipe.lower(staged, batch).compile().as_text(), pipe
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2"])
-def test_no_slot_pool_is_copied_in_the_compiled_step(schedule):
-    text, pipe = _compiled_text(schedule, 4)
+@pytest.mark.parametrize(
+    "schedule, model", [("1f1b", "mlp"), ("zb-h1", "mlp"), ("zb-h2", "mlp"), ("zb-h2", "gpt")]
+)
+def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model):
+    text, pipe = _compiled_text(schedule, 4, model)
     low = pipe.lowering
     tables = low.tables
     pools = set()
@@ -46,6 +57,8 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule):
             if c:
                 pools.add(f"[{max(slots, 1)},{c}]")
     assert pools
+    if model == "gpt":
+        assert tables.num_kept_slots and sum(low.kept_capacity)  # all three pools in use
     # Copies in the entry computation run once per step (XLA may merge the pools' identical
     # initial values and copy one); the tick loop's body and its branches must copy none.
     loop_text = text[: text.index("\nENTRY ")]
@@ -119,9 +132,7 @@ def test_the_step_allocates_the_kept_pool_the_tables_count():
     # On a 2-stage GPT, zb-h2 keeps more microbatches between F and W than between F and B,
     # so the kept pool (only what W reads, until W) holds fewer bytes than whole residual slots
     # kept until W; the step runs with it and matches value_and_grad.
-    cfg = gpt.GPTConfig(
-        vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2, stage_boundaries=(0,)
-    )
+    cfg = GPT_CFG
     params = gpt.init_params(jax.random.key(0), cfg)
     batch = gpt.make_batch(jax.random.key(1), cfg, 8)
     mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])

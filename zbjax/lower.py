@@ -544,8 +544,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
 
     It takes the tick state and returns it updated in place: F writes its residuals into a
     residual slot and a kept slot, B reads them and writes the rest of W's stash into a stash
-    slot, W reads the kept and stash slots, W and BW add their
-    weight gradient into the gradient row; F, B and BW put the messages they send into the
+    slot, W reads the kept and stash slots, W and BW add their weight gradient into the
+    gradient row; F, B and BW put the messages they send into the
     send payloads. No action reads and writes the same slot pool, which lets XLA keep every
     buffer in place through the conditional that runs the action (a buffer read and written
     by one conditional branch, or a multi-way switch, makes XLA copy it every tick).
@@ -769,8 +769,8 @@ def _run(
 
         def tick(carry, x):
             residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
-            (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write) = x[:8]
-            msg_read, msg_write = x[8:]
+            (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
+             msg_read, msg_write) = x  # fmt: skip
             ctx = dict(
                 rows=rows,
                 batch=batch,
