@@ -315,8 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(`Lowering.slot_pool_bytes`): a residual slot holds what F stores for B alone (the "
         "largest stage's), from F until B; a kept slot what F stores that W reads too (the "
         "inputs of the weight matmuls), from F until W; a stash slot what B computes for W, "
-        "from B until W; slots are counted in lockstep. When fewer bytes result, the lowering "
-        "keeps every residual in kept slots instead (one pool).",
+        "from B until W; slots are counted in lockstep. Where that holds fewer bytes, a stage "
+        "keeps its whole residual slot until W instead of using a kept slot.",
         "",
         table(rows),
         "",
