@@ -36,7 +36,7 @@ import zbjax
 from zbjax import schedules
 from zbjax.partition import partition
 from zbjax.split import split
-from zbjax.ticks import lockstep_ticks
+from zbjax.ticks import choose_ticks, pack_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
@@ -52,6 +52,7 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
 TARGET = "zb-h2"
 TARGET_TOLERANCE = 0.05
 FRESH = f"{TARGET}, keep_buffers=False"
+UNPACKED = f"{TARGET}, pack_ticks=False"
 
 
 @dataclass(frozen=True)
@@ -223,21 +224,26 @@ def measured_costs(
 
 
 def lockstep_time(
-    schedule: schedules.Schedule, costs: schedules.Costs, slowdown: float = 1.0
+    schedule: schedules.Schedule,
+    costs: schedules.Costs,
+    slowdown: float = 1.0,
+    pack: bool = True,
 ) -> tuple[float, int]:
-    """Returns (compute time when every tick lasts as long as its slowest action, ticks).
+    """Returns (compute time when every tick lasts as long as its busiest device, ticks).
 
-    ``slowdown`` stretches the ticks in which more than one device computes: the measured cost
-    of running on every device at once over running on one (the parallelism check).
+    The ticks are the lowering's: with ``pack``, W actions packed into weight lanes where the
+    costs say it pays (``choose_ticks``, as ``pipeline(costs=...)`` does), else one action per
+    device per tick. ``slowdown`` stretches the ticks in which more than one device computes:
+    the measured cost of running on every device at once over running on one (the parallelism
+    check).
     """
-    ticks = lockstep_ticks(schedule)
-    num_ticks = max(ticks.values()) + 1
-    longest = [0.0] * num_ticks
-    busy = [0] * num_ticks
-    for action, t in ticks.items():
-        longest[t] = max(longest[t], costs.of(action, schedule.num_stages))
-        busy[t] += 1
-    stretched = [x * (slowdown if n > 1 else 1.0) for x, n in zip(longest, busy, strict=True)]
+    positions = choose_ticks(schedule, costs) if pack else pack_ticks(schedule)
+    num_ticks = max(t for t, _ in positions.values()) + 1
+    busy = [dict() for _ in range(num_ticks)]
+    for action, (t, _) in positions.items():
+        device = schedule.placement[action.stage]
+        busy[t][device] = busy[t].get(device, 0.0) + costs.of(action, schedule.num_stages)
+    stretched = [max(b.values()) * (slowdown if len(b) > 1 else 1.0) for b in busy if b]
     return sum(stretched), num_ticks
 
 
@@ -255,19 +261,23 @@ class Prediction:
 
 
 def predict(
-    schedule: schedules.Schedule, costs: schedules.Costs, slowdown: float = 1.0
+    schedule: schedules.Schedule,
+    costs: schedules.Costs,
+    slowdown: float = 1.0,
+    pack: bool = True,
 ) -> Prediction:
     """Returns the simulated makespan, both bubble views and the lockstep times of
-    ``schedule`` (``slowdown``: the parallelism check, for the contended lockstep time)."""
+    ``schedule`` (``slowdown``: the parallelism check, for the contended lockstep time;
+    ``pack``: whether the lowering packs W into weight lanes)."""
     result = schedules.simulate(schedule, costs)
-    lockstep, ticks = lockstep_time(schedule, costs)
+    lockstep, ticks = lockstep_time(schedule, costs, pack=pack)
     work = sum(costs.of(a, schedule.num_stages) for _, _, a in schedule.all_actions())
     return Prediction(
         result.makespan,
         result.bubble_rate,
         schedules.span_bubble_rate(schedule, result),
         lockstep,
-        lockstep_time(schedule, costs, slowdown)[0],
+        lockstep_time(schedule, costs, slowdown, pack)[0],
         ticks,
         work,
     )
@@ -304,8 +314,11 @@ def pipeline_step(
     params: Any,
     batch: Any,
     keep_buffers: bool | None = None,
+    costs: schedules.Costs | None = None,
+    pack_ticks: bool = True,
 ) -> Callable[[], Any]:
-    """Returns a thunk running one pipelined step of ``schedule`` on staged params."""
+    """Returns a thunk running one pipelined step of ``schedule`` on staged params (its W
+    packed into weight lanes by ``costs`` unless ``pack_ticks`` is False)."""
     pipe = zbjax.pipeline(
         loss_fn,
         mesh=mesh,
@@ -313,6 +326,8 @@ def pipeline_step(
         schedule=schedule,
         num_microbatches=schedule.num_microbatches,
         keep_buffers=keep_buffers,
+        costs=costs,
+        pack_ticks=pack_ticks,
     )
     staged = pipe.stage(params, batch)  # builds from the batch's shapes; nothing compiled
     return lambda: pipe.value_and_grad(staged, batch)
@@ -444,12 +459,18 @@ def measure_m(
         schedule = schedules.build(name, stages, m, num_devices=NUM_DEVICES, costs=costs)
         built[name] = (schedule, costs, loss_fn)
     variants = {
-        name: pipeline_step(loss_fn, schedule, mesh, params, batch)
-        for name, (schedule, _, loss_fn) in built.items()
+        name: pipeline_step(loss_fn, schedule, mesh, params, batch, costs=costs)
+        for name, (schedule, costs, loss_fn) in built.items()
     }
-    # The same schedule allocating its slot pools in every step (keep_buffers=False).
-    schedule, _, loss_fn = built[TARGET]
-    variants[FRESH] = pipeline_step(loss_fn, schedule, mesh, params, batch, keep_buffers=False)
+    # The same schedule allocating its slot pools in every step (keep_buffers=False), and
+    # running one action per device per tick (pack_ticks=False).
+    schedule, costs, loss_fn = built[TARGET]
+    variants[FRESH] = pipeline_step(
+        loss_fn, schedule, mesh, params, batch, keep_buffers=False, costs=costs
+    )
+    variants[UNPACKED] = pipeline_step(
+        loss_fn, schedule, mesh, params, batch, costs=costs, pack_ticks=False
+    )
     single = jax.devices()[0]
     params_one = jax.device_put(params, single)
     batch_one = jax.device_put(batch, single)
@@ -465,7 +486,11 @@ def measure_m(
             m,
             statistics.median(times[name]),
             median_ratio(times, name, "1f1b"),
-            predict(*built[name][:2], slowdown) if name in built else None,
+            predict(*built[name][:2], slowdown)
+            if name in built
+            else predict(*built[TARGET][:2], slowdown, pack=False)
+            if name == UNPACKED
+            else None,
         )
         for name in variants
     ]
@@ -638,7 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "isolated step takes and therefore what the target uses; *span* is the throughput "
             "the span bubble implies (`span_bubble_rate`: steady state with successive steps "
             "overlapping, which a single jitted step does not do); *lockstep* is how the "
-            "lowering runs: every tick lasts as long as its slowest action; *lockstep + tick "
+            "lowering runs: every tick lasts as long as its busiest device, whose W may be "
+            "packed after its main action where the costs say it pays (the pipelines get the "
+            "measured costs, `pipeline(costs=...)`); *lockstep + tick "
             "overhead* adds the per-tick and fixed costs measured below; *lockstep, contended* "
             "stretches every tick in which both devices compute by the parallelism check's "
             "slowdown (the two fake devices share this machine's cores and memory), which is "
@@ -648,7 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "all the step's work instead (every action's cost summed), the right baseline "
             "when the parallelism check reads about 2.",
             f"*{FRESH}* is {TARGET} with its slot pools allocated in every step instead of "
-            "kept between calls (the CPU default).",
+            f"kept between calls (the CPU default); *{UNPACKED}* is {TARGET} running one "
+            "action per device per tick (no W packed into weight lanes).",
             f"Baselines in the same rounds: unpipelined = `jax.jit(jax.value_and_grad(loss))` "
             "on one device (XLA may use both cores for its larger matmuls); textbook = a GPipe "
             "loop (`lax.scan` over m + p − 1 ticks, `ppermute`) inside `shard_map`, "

@@ -176,8 +176,8 @@ def mesh_of(num_devices):
     )
 
 
-def run_lowered(graph, programs, schedule, params, batch):
-    low = lower(graph, programs, schedule, mesh_of(schedule.num_devices), "pp")
+def run_lowered(graph, programs, schedule, params, batch, costs=None):
+    low = lower(graph, programs, schedule, mesh_of(schedule.num_devices), "pp", costs)
     m = schedule.num_microbatches
 
     @jax.jit
@@ -216,6 +216,27 @@ def test_lowered_step_equals_value_and_grad_for_every_schedule(name, devices, mi
     graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
     schedule = schedules.build(name, stages, micro, num_devices=devices)
     _, result = run_lowered(graph, programs, schedule, params, batch)
+    assert_matches(result, loss_fn, params, batch)
+
+
+#: Per-stage costs (first 8 stages) under which W packs into weight lanes: a first stage with a
+#: cheap B and a long W.
+PACKING_COSTS = schedules.Costs(
+    f=(1.0, 1.2) + (1.0,) * 6, b=(0.1,) + (1.0,) * 7, w=(1.5,) + (1.0,) * 7
+)
+
+
+@pytest.mark.parametrize("name, devices, micro", [("zb-h1", 2, 6), ("zb-h2", 4, 8), ("zb-v", 2, 6)])
+def test_w_packed_into_weight_lanes_still_equals_value_and_grad(name, devices, micro):
+    stages = 2 * devices if name == "zb-v" else devices
+    specs, edges, params, loss_fn = chain_mlp(stages, tied=name == "zb-v")
+    batch = make_batch(micro)
+    graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
+    schedule = schedules.build(name, stages, micro, num_devices=devices)
+    f, b, w = PACKING_COSTS.per_stage(8)
+    costs = schedules.Costs(f[:stages], b[:stages], w[:stages])
+    low, result = run_lowered(graph, programs, schedule, params, batch, costs)
+    assert (low.tables.weight_stage >= 0).sum() > 0, "nothing was packed"
     assert_matches(result, loss_fn, params, batch)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import zbjax
 from models import gpt, mlp
-from zbjax.lower import slot_layout
+from zbjax.lower import slot_layout, weight_lane_stages
 from zbjax.partition import partition
 from zbjax.split import forwarded_stash, split
 
@@ -71,7 +71,13 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model):
 def test_every_action_runs_before_the_ticks_ppermute(schedule):
     # An action that sends nothing (W, the last stage's F) must not be scheduled after the
     # tick's collective: it would then run in the next tick, while the other devices wait.
-    text, _ = _compiled_text(schedule, 4)
+    text, pipe = _compiled_text(schedule, 4)
+    tables = pipe.lowering.tables
+    # One conditional per (kind, stage) the main lane runs, and one per packed W's stage in
+    # every weight lane.
+    expected = len(pipe_actions(schedule)) + tables.num_weight_lanes * len(
+        weight_lane_stages(tables)
+    )
     loop_text = text[: text.index("\nENTRY ")]
     bodies = [
         c
@@ -82,7 +88,7 @@ def test_every_action_runs_before_the_ticks_ppermute(schedule):
     lines = bodies[0].splitlines()
     conds = [i for i, line in enumerate(lines) if " conditional(" in line]
     permutes = [i for i, line in enumerate(lines) if " collective-permute(" in line]
-    assert len(conds) == len(pipe_actions(schedule)), (conds, schedule)
+    assert len(conds) == expected, (conds, schedule)
     assert max(conds) < min(permutes), "an action is scheduled after the tick's ppermute"
 
 

@@ -201,6 +201,30 @@ def test_report_names_stages_schedule_bubble_and_compiled_memory(mlp_setup):
         assert needle in text
 
 
+def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
+    # Measured-like costs of a 2-stage MLP: stage 0's B is nearly free (no input gradient),
+    # its W long; at m = 4, zb-h2 then packs W after B where the other device's F runs anyway.
+    loss_fn, params, batch, reference = mlp_setup
+    costs = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
+    tables = {}
+    for pack in (True, False):
+        pipe = zbjax.pipeline(
+            loss_fn,
+            mesh=pp_mesh(2),
+            schedule="zb-h2",
+            num_microbatches=4,
+            costs=costs,
+            pack_ticks=pack,
+        )
+        assert_close(pipe.value_and_grad(params, batch), reference)
+        tables[pack] = pipe.lowering.tables
+        if pack:
+            assert "W packed into weight lanes" in pipe.report()
+    assert (tables[True].weight_stage >= 0).sum() > 0
+    assert tables[True].num_ticks < tables[False].num_ticks
+    assert tables[False].num_weight_lanes == 0
+
+
 # ----------------------------------------------------------------------------- memory, compile time
 
 MEM_CFG = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, num_heads=2, num_layers=4)
@@ -257,8 +281,12 @@ def test_gpipe_memory_grows_with_m_while_1f1b_and_zb_h1_stay_flat(memory_table):
 
 
 def test_compile_time_is_flat_in_the_number_of_microbatches(memory_table):
-    small = memory_table[("zb-h1", 8)][3]
-    large = memory_table[("zb-h1", 64)][3]
+    # Each compile timed twice (the fixture's and one here), the faster kept: a compile that
+    # shares the machine with the other test worker can take 1.5x its time.
+    small, large = (
+        min(memory_table[("zb-h1", m)][3], compiled_memory("zb-h1", m, rows_per_microbatch=1)[3])
+        for m in (8, 64)
+    )
     assert large <= 1.5 * small, (small, large)
 
 

@@ -43,7 +43,7 @@ from zbjax.params import (
     staged_layout,
     unpack_stage_params,
 )
-from zbjax.schedules.ir import Schedule
+from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import forwarded_residuals, forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.ticks import (
@@ -335,8 +335,13 @@ def lower(
     schedule: Schedule,
     mesh: Any,
     axis_name: str,
+    costs: Costs | None = None,
 ) -> Lowering:
-    """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``."""
+    """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
+
+    With ``costs`` (per-stage F/B/W times, any unit), devices that finish a tick's action early
+    also run the W actions that fit in the rest of the tick (``ticks.choose_ticks``).
+    """
     programs = tuple(programs)
     missing = tuple(pair for pair in graph.edge_pairs if pair not in schedule.edges)
     if missing:
@@ -353,7 +358,7 @@ def lower(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
     slot_layouts, tables, (residual_capacity, kept_capacity, stash_capacity) = _slots_and_tables(
-        programs, slot_dtypes, schedule, graph
+        programs, slot_dtypes, schedule, graph, costs
     )
     layout = staged_layout(
         graph.param_avals,
@@ -395,7 +400,7 @@ def _capacities(
         int(s)
         for k, s in zip(tables.kind.ravel(), tables.stage.ravel(), strict=True)
         if k == BACKWARD_WEIGHT
-    }
+    } | set(weight_lane_stages(tables))
     num_dtypes = len(slot_layouts[0].residual_sizes) if slot_layouts else 0
     residual = tuple(max(s.residual_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
     kept = tuple(max(s.kept_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
@@ -407,7 +412,11 @@ def _capacities(
 
 
 def _slots_and_tables(
-    programs: Sequence[StageProgram], dtypes: Sequence[str], schedule: Schedule, graph: StageGraph
+    programs: Sequence[StageProgram],
+    dtypes: Sequence[str],
+    schedule: Schedule,
+    graph: StageGraph,
+    costs: Costs | None = None,
 ) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...]]:
     """Returns the slot layouts, tick tables and (residual, kept, stash) slot sizes per dtype
     that hold the fewest bytes of slots.
@@ -426,6 +435,7 @@ def _slots_and_tables(
             message_edges(graph),
             kept=[s.has_kept for s in layouts],
             residuals_until_weight=[s.weight_reads_residuals for s in layouts],
+            costs=costs,
         )
         capacities = _capacities(layouts, tables)
         counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
@@ -478,6 +488,11 @@ def branch_keys(tables: TickTables) -> tuple[tuple[int, int], ...]:
         }
     )
     return ((IDLE, 0), *used)
+
+
+def weight_lane_stages(tables: TickTables) -> tuple[int, ...]:
+    """Returns the stages whose W runs in a weight lane; lane code ``k + 1`` runs the k-th."""
+    return tuple(sorted({int(s) for s in tables.weight_stage.ravel() if s >= 0}))
 
 
 def _read_slot(buffers: Sequence[jax.Array], slot: jax.Array, item: tuple) -> jax.Array:
@@ -720,6 +735,11 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
     for (t, d), k in np.ndenumerate(tables.kind):
         if k != IDLE:
             action[t, d] = index[(int(k), int(tables.stage[t, d]))]
+    lane_index = {s: k + 1 for k, s in enumerate(weight_lane_stages(tables))}
+    weight_action = np.zeros(tables.weight_stage.shape, np.int32)
+    for (t, d, j), s in np.ndenumerate(tables.weight_stage):
+        if s >= 0:
+            weight_action[t, d, j] = lane_index[int(s)]
     return (
         action,
         tables.microbatch,
@@ -731,6 +751,11 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         tables.stash_write,
         tables.message_read,
         tables.message_write,
+        weight_action,
+        tables.weight_microbatch,
+        tables.weight_residual_read,
+        tables.weight_kept_read,
+        tables.weight_stash_read,
     )
 
 
@@ -743,6 +768,9 @@ def _run(
     axis = low.axis_name
     tables = low.tables
     actions = [_make_action(low, kind, stage) for kind, stage in branch_keys(tables)[1:]]
+    weight_actions = [
+        _make_action(low, BACKWARD_WEIGHT, stage) for stage in weight_lane_stages(tables)
+    ]
     xs = tuple(jnp.asarray(x) for x in _tick_inputs(low))
     num_micro = low.schedule.num_microbatches
     loss_aval = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals[0]
@@ -770,7 +798,7 @@ def _run(
         def tick(carry, x):
             residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
-             msg_read, msg_write) = x  # fmt: skip
+             msg_read, msg_write, w_code, w_micro, w_res_read, w_kept_read, w_st_read) = x  # fmt: skip
             ctx = dict(
                 rows=rows,
                 batch=batch,
@@ -802,6 +830,19 @@ def _run(
             # Unlike one multi-way switch, this keeps the buffers in place on XLA.
             for i, action in enumerate(actions):
                 state = jax.lax.cond(code == i + 1, action, lambda state, ctx: state, state, ctx)
+            # Then the weight lanes: W actions packed into the time the tick lasts anyway.
+            for j in range(tables.num_weight_lanes):
+                lane_ctx = dict(
+                    ctx,
+                    micro=w_micro[j],  # W may read a batch leaf of its microbatch
+                    residual_read=w_res_read[j],
+                    kept_read=w_kept_read[j],
+                    stash_read=w_st_read[j],
+                )
+                for i, action in enumerate(weight_actions):
+                    state = jax.lax.cond(
+                        w_code[j] == i + 1, action, lambda state, ctx: state, state, lane_ctx
+                    )
             state = _finish_before_sending(state, code)
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):

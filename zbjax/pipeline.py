@@ -122,6 +122,7 @@ class Pipeline:
         partitioner: str = "auto",
         placement: Sequence[int] | None = None,
         keep_buffers: bool | None = None,
+        pack_ticks: bool = True,
     ):
         if axis_name not in mesh.axis_names:
             raise PipelineError(
@@ -171,6 +172,7 @@ class Pipeline:
         if keep_buffers is None:
             keep_buffers = all(d.platform == "cpu" for d in np.ravel(mesh.devices))
         self.keep_buffers = bool(keep_buffers)
+        self.pack_ticks = bool(pack_ticks)
         self._pools: dict[int, list] = {}  # id(_Built) -> slot pools kept between calls
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
@@ -295,6 +297,7 @@ class Pipeline:
         costs = _program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
         res_bytes, kept_bytes, stash_bytes, msg_bytes = low.slot_bytes()
+        packed = int((low.tables.weight_stage >= 0).sum())
         lines = [
             f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
             f"{self.num_devices} devices (axis {self.axis_name!r}), "
@@ -308,7 +311,8 @@ class Pipeline:
             schedules.text_grid(built.schedule, sim),
             "",
             f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
-            f"lockstep ticks: {low.tables.num_ticks}; residual slots per device: "
+            f"lockstep ticks: {low.tables.num_ticks} ({packed} W packed into weight lanes); "
+            f"residual slots per device: "
             f"{low.tables.num_residual_slots} x {res_bytes:,} B; kept until W: "
             f"{low.tables.num_kept_slots} x {kept_bytes:,} B; W stash slots: "
             f"{low.tables.num_stash_slots} x {stash_bytes:,} B; message slots: "
@@ -418,7 +422,8 @@ class Pipeline:
         graph = parted.graph
         programs = split(graph)
         schedule = self._schedule(graph, programs, parted.placement, kind)
-        lowering = lower(graph, programs, schedule, self.mesh, self.axis_name)
+        costs = (self.costs or _program_costs(programs)) if self.pack_ticks else None
+        lowering = lower(graph, programs, schedule, self.mesh, self.axis_name, costs)
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
         step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
         step_with_pools = jax.jit(step_fn, donate_argnums=3)
@@ -705,6 +710,7 @@ def pipeline(
     partitioner: str = "auto",
     placement: Sequence[int] | None = None,
     keep_buffers: bool | None = None,
+    pack_ticks: bool = True,
 ) -> Pipeline:
     """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
 
@@ -712,6 +718,8 @@ def pipeline(
     ``DAG_SCHEDULE_NAMES``: ``"dag-1f1b"``, ``"dag-zb"``) or a prebuilt ``Schedule``;
     ``costs``, ``mem_limit`` and ``w_mem`` go to ``schedules.build`` (zb-auto and the DAG
     schedules take their costs from the stage programs' estimates when ``costs`` is None).
+    The costs also decide which W actions ``pack_ticks`` packs; over several processes, pass
+    every process the same ``costs`` (or none), so that all build the same program.
 
     ``partitioner`` cuts the program into stages:
 
@@ -737,6 +745,12 @@ def pipeline(
     per step); off elsewhere, where allocating them costs nothing and the memory is better left
     free between steps (for the optimizer's update). It applies to calls with concrete arrays;
     inside a user's ``jax.jit`` the step allocates its slots itself.
+
+    ``pack_ticks``: the compiled step advances all devices tick by tick, each tick as long as
+    its slowest action; with ``pack_ticks`` a device that would finish early also runs the W
+    actions that fit in the rest of the tick, judged by ``costs`` (default: the stage programs'
+    estimates), when that shortens the predicted step. False runs one action per device per
+    tick.
     """
     return Pipeline(
         loss_fn,
@@ -751,4 +765,5 @@ def pipeline(
         partitioner=partitioner,
         placement=placement,
         keep_buffers=keep_buffers,
+        pack_ticks=pack_ticks,
     )

@@ -1,10 +1,14 @@
 """Lockstep tick tables of a schedule: what every device does at every tick, and where data lives.
 
 The lowering runs a schedule as a loop over *ticks*. At tick ``t`` every device runs at most one
-action; an action may run at tick ``t`` once every action it depends on ran at a tick before
-``t`` (data produced during tick ``t`` is moved at the end of tick ``t`` and usable from
-``t + 1``). This module turns a ``Schedule`` into integer tables indexed ``[tick, device]`` and
-allocates the buffer slots the lowering reads and writes. Pure Python and NumPy, no JAX.
+action in its main lane; an action may run there once every action it depends on ran at a tick
+before ``t`` (data produced during tick ``t`` is moved at the end of tick ``t`` and usable from
+``t + 1``). A tick lasts as long as its slowest device, so when costs are known the devices
+that finish early may also run W actions in *weight lanes* after the main one (``pack_ticks``):
+W sends nothing and needs only its own stage's B, so it fills time the tick spends anyway.
+This module turns a ``Schedule`` into integer tables indexed ``[tick, device]`` (and
+``[tick, device, lane]`` for the weight lanes) and allocates the buffer slots the lowering reads
+and writes. Pure Python and NumPy, no JAX.
 
 Data that outlives a tick sits in slot pools per device, each sized by the schedule's peak
 number of items in flight (interval colouring), never by the number of microbatches:
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Schedule
+from zbjax.schedules.ir import Action, Costs, Schedule
 from zbjax.schedules.simulate import backward_kinds, dependencies
 
 #: Codes of the ``kind`` table; 0 means the device idles at that tick.
@@ -72,6 +76,11 @@ class TickTables:
     where device ``d`` stores the j-th message that arrives over ``shifts[k]`` at the end of
     tick ``t`` (the spare slot when none arrives). A message sent over shift ``k`` goes from
     device ``d`` to device ``(d + shifts[k]) % num_devices``.
+
+    The weight lanes run after the main action of a tick, in lane order: ``weight_stage[t, d,
+    j]`` is the stage whose W runs in lane ``j`` (-1: none), ``weight_microbatch`` its
+    microbatch, and ``weight_residual_read``/``weight_kept_read``/``weight_stash_read`` the
+    slots it reads (the spare index otherwise). The last axis is empty when nothing is packed.
     """
 
     kind: np.ndarray
@@ -93,6 +102,16 @@ class TickTables:
     num_message_slots: int
     edges: tuple[MessageEdge, ...]
     placement: tuple[int, ...]
+    weight_stage: np.ndarray
+    weight_microbatch: np.ndarray
+    weight_residual_read: np.ndarray
+    weight_kept_read: np.ndarray
+    weight_stash_read: np.ndarray
+
+    @property
+    def num_weight_lanes(self) -> int:
+        """Returns the number of weight lanes after the main one (0 when nothing is packed)."""
+        return int(self.weight_stage.shape[2])
 
     @property
     def num_ticks(self) -> int:
@@ -112,6 +131,11 @@ def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
     every one of its dependencies. Raises ``ScheduleError`` when an action is placed on the
     wrong device, a dependency is never scheduled, or the order deadlocks.
     """
+    return {action: tick for action, (tick, _) in pack_ticks(schedule).items()}
+
+
+def _checked_dependencies(schedule: Schedule) -> dict[Action, tuple[Action, ...]]:
+    """Returns every action's dependencies, raising ``ScheduleError`` on a malformed schedule."""
     scheduled: set[Action] = set()
     for device, _, action in schedule.all_actions():
         if action.stage >= schedule.num_stages:
@@ -137,19 +161,40 @@ def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
                     f"dependency rule: {action} needs {dep}, which no device runs; "
                     "add it to the schedule"
                 )
-    tick_of: dict[Action, int] = {}
+    return deps
+
+
+def pack_ticks(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    slack: float = 0.0,
+    weight_lanes: int = 1,
+) -> dict[Action, tuple[int, int]]:
+    """Returns (tick, lane) of every action: lockstep ticks, with W actions packed into lanes.
+
+    Each device runs its actions in order. At every tick each device whose next action has all
+    its dependencies done at earlier ticks runs it in lane 0 (the main lane). With ``costs``,
+    the tick lasts as long as the longest of those actions; a device then also runs its next
+    actions in lanes ``1..weight_lanes`` while they are W actions whose B is done (at an earlier
+    tick or in this tick's main lane) and the device's time in the tick stays within the tick's
+    length times ``1 + slack``. Without ``costs`` nothing is packed (every lane is 0). Raises
+    ``ScheduleError`` when an action is placed on the wrong device, a dependency is never
+    scheduled, or the order deadlocks.
+    """
+    deps = _checked_dependencies(schedule)
+    num_stages = schedule.num_stages
+    position: dict[Action, tuple[int, int]] = {}
     cursor = [0] * schedule.num_devices
-    remaining = len(scheduled)
+    remaining = len(deps)
     tick = 0
     while remaining:
-        ran = []
+        main = {}
         for device, program in enumerate(schedule.actions):
             if cursor[device] < len(program):
                 action = program[cursor[device]]
-                if all(tick_of.get(dep, tick) < tick for dep in deps[action]):
-                    ran.append(action)
-                    cursor[device] += 1
-        if not ran:
+                if all(position.get(dep, (tick,))[0] < tick for dep in deps[action]):
+                    main[device] = action
+        if not main:
             waiting = [
                 f"device {d} waits at {program[cursor[d]]}"
                 for d, program in enumerate(schedule.actions)
@@ -159,11 +204,68 @@ def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
                 "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
                 "reorder the actions so every dependency can run first"
             )
-        for action in ran:
-            tick_of[action] = tick
-        remaining -= len(ran)
+        for device, action in main.items():
+            position[action] = (tick, 0)
+            cursor[device] += 1
+        remaining -= len(main)
+        if costs is not None:
+            limit = max(costs.of(a, num_stages) for a in main.values()) * (1.0 + slack)
+            for device, action in main.items():
+                program = schedule.actions[device]
+                used = costs.of(action, num_stages)
+                for lane in range(1, weight_lanes + 1):
+                    if cursor[device] == len(program):
+                        break
+                    nxt = program[cursor[device]]
+                    cost = costs.of(nxt, num_stages)
+                    if (
+                        nxt.kind != "W"
+                        or Action("B", nxt.stage, nxt.microbatch) not in position
+                        or used + cost > limit * (1.0 + 1e-9)
+                    ):
+                        break
+                    position[nxt] = (tick, lane)
+                    used += cost
+                    cursor[device] += 1
+                    remaining -= 1
         tick += 1
-    return tick_of
+    return position
+
+
+def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs) -> float:
+    """Returns the time of the ticks ``positions`` run ``schedule`` in: each tick lasts as long
+    as its busiest device's actions (every lane) plus ``costs.comm`` (the tick's exchange)."""
+    busy: dict[tuple[int, int], float] = {}
+    for action, (tick, _) in positions.items():
+        key = (tick, schedule.placement[action.stage])
+        busy[key] = busy.get(key, 0.0) + costs.of(action, schedule.num_stages)
+    length: dict[int, float] = {}
+    for (tick, _), seconds in busy.items():
+        length[tick] = max(length.get(tick, 0.0), seconds)
+    return sum(length.values()) + costs.comm * len(length)
+
+
+#: How far past the tick's longest main action ``choose_ticks`` tries letting packed W run.
+PACKING_SLACKS = (0.0, 0.1, 0.2, 0.3, 0.5)
+
+
+def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[int, int]]:
+    """Returns the packing of ``schedule`` with the least ``tick_time`` under ``costs``.
+
+    Candidates are plain lockstep ticks (no packing) and ``pack_ticks`` with one weight lane
+    and each of ``PACKING_SLACKS``; a candidate must be faster than the earlier ones to win,
+    so plain ticks stay unless packing pays. Without ``costs``: plain lockstep ticks.
+    """
+    best = pack_ticks(schedule)
+    if costs is None:
+        return best
+    best_time = tick_time(schedule, best, costs)
+    for slack in PACKING_SLACKS:
+        candidate = pack_ticks(schedule, costs, slack)
+        seconds = tick_time(schedule, candidate, costs)
+        if seconds < best_time * (1.0 - 1e-9):
+            best, best_time = candidate, seconds
+    return best
 
 
 def outgoing_messages(
@@ -230,6 +332,7 @@ def tick_tables(
     edges: Sequence[MessageEdge] | None = None,
     kept: Sequence[bool] | None = None,
     residuals_until_weight: Sequence[bool] | None = None,
+    costs: Costs | None = None,
 ) -> TickTables:
     """Returns the lockstep tables and slot allocation that run ``schedule``.
 
@@ -238,7 +341,9 @@ def tick_tables(
     ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (in a kept slot that
     lives until W); by default every stage does. ``residuals_until_weight[s]`` says whether
     stage ``s``'s W reads its residual slot (which then lives until W, else until B); by
-    default none does.
+    default none does. With ``costs``, W actions are packed into weight lanes where that
+    shortens the ticks under them (``choose_ticks``); without, every tick runs one action per
+    device.
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -249,11 +354,16 @@ def tick_tables(
                 f"the stage graph has edge {edge.src}->{edge.dst} but the schedule's edges are "
                 f"{list(schedule.edges)}; build the schedule from the same stage graph"
             )
-    tick_of = lockstep_ticks(schedule)
+    positions = choose_ticks(schedule, costs)
     num_devices = schedule.num_devices
     placement = schedule.placement
-    num_ticks = max(tick_of.values(), default=-1) + 1
+    num_ticks = max((t for t, _ in positions.values()), default=-1) + 1
+    num_lanes = max((lane for _, lane in positions.values()), default=0) + 1
     kinds = backward_kinds(schedule)
+    # Slots are coloured on a finer clock than ticks: lanes run in order within a tick, so
+    # time t * num_lanes + lane orders every action of a device. A message is stored after
+    # every lane of the tick it is sent in.
+    tick_of = {a: t * num_lanes + lane for a, (t, lane) in positions.items()}
 
     if kept is None:
         kept = (True,) * schedule.num_stages
@@ -304,8 +414,10 @@ def tick_tables(
             reader_kind = kinds.get((reader_stage, action.microbatch), "B") if backward else "F"
             reader = Action(reader_kind, reader_stage, action.microbatch)
             key = (e, action.microbatch, int(backward))
-            sends[key] = (tick, shift, position, placement[reader_stage])
-            message_intervals[placement[reader_stage]].append((tick, tick_of[reader], key))
+            sent = tick // num_lanes
+            sends[key] = (sent, shift, position, placement[reader_stage])
+            stored = sent * num_lanes + num_lanes - 1
+            message_intervals[placement[reader_stage]].append((stored, tick_of[reader], key))
     message_slots = [_colour_intervals(iv) for iv in message_intervals]
     num_message_slots = max((n for _, n in message_slots), default=0)
 
@@ -338,17 +450,35 @@ def tick_tables(
     stash_write = np.full(shape, num_stash_slots, np.int32)
     message_read = np.full(shape + (max_reads,), num_message_slots, np.int32)
     message_write = np.full(shape + (len(shifts), max_per_shift), num_message_slots, np.int32)
-    for action, tick in tick_of.items():
+    lanes_shape = shape + (num_lanes - 1,)
+    weight_stage = np.full(lanes_shape, -1, np.int32)
+    weight_microbatch = np.zeros(lanes_shape, np.int32)
+    weight_residual_read = np.full(lanes_shape, num_residual_slots, np.int32)
+    weight_kept_read = np.full(lanes_shape, num_kept_slots, np.int32)
+    weight_stash_read = np.full(lanes_shape, num_stash_slots, np.int32)
+    for action, (tick, lane) in positions.items():
         s, i = action.stage, action.microbatch
         d = placement[s]
+        residual = residual_slots[d][0][(s, i)]
+        reads_residual = action.kind != "W" or residuals_until_weight[s]
+        if lane:
+            # A packed W: it reads its kept, stash and (maybe) residual slots, nothing else.
+            at = (tick, d, lane - 1)
+            weight_stage[at] = s
+            weight_microbatch[at] = i
+            if reads_residual:
+                weight_residual_read[at] = residual
+            if kept[s]:
+                weight_kept_read[at] = kept_slots[d][0][(s, i)]
+            weight_stash_read[at] = stash_slots[d][0][(s, i)]
+            continue
         kind[tick, d] = KIND_CODES[action.kind]
         stage[tick, d] = s
         microbatch[tick, d] = i
-        slot = residual_slots[d][0][(s, i)]
         if action.kind == "F":
-            residual_write[tick, d] = slot
-        elif action.kind != "W" or residuals_until_weight[s]:
-            residual_read[tick, d] = slot
+            residual_write[tick, d] = residual
+        elif reads_residual:
+            residual_read[tick, d] = residual
         if kept[s]:
             slot = kept_slots[d][0][(s, i)]
             (kept_write if action.kind == "F" else kept_read)[tick, d] = slot
@@ -382,11 +512,17 @@ def tick_tables(
         num_message_slots=num_message_slots,
         edges=edges,
         placement=tuple(placement),
+        weight_stage=weight_stage,
+        weight_microbatch=weight_microbatch,
+        weight_residual_read=weight_residual_read,
+        weight_kept_read=weight_kept_read,
+        weight_stash_read=weight_stash_read,
     )
 
 
 def decode_actions(tables: TickTables) -> tuple[tuple[Action, ...], ...]:
-    """Returns each device's actions in the order the tables run them (idle ticks skipped)."""
+    """Returns each device's actions in the order the tables run them (idle ticks skipped,
+    packed W actions after their tick's main action)."""
     programs = []
     for d in range(tables.num_devices):
         program = []
@@ -396,5 +532,14 @@ def decode_actions(tables: TickTables) -> tuple[tuple[Action, ...], ...]:
                 program.append(
                     Action(KIND_NAMES[code], int(tables.stage[t, d]), int(tables.microbatch[t, d]))
                 )
+            for j in range(tables.num_weight_lanes):
+                if tables.weight_stage[t, d, j] >= 0:
+                    program.append(
+                        Action(
+                            "W",
+                            int(tables.weight_stage[t, d, j]),
+                            int(tables.weight_microbatch[t, d, j]),
+                        )
+                    )
         programs.append(tuple(program))
     return tuple(programs)
