@@ -26,27 +26,44 @@ GPT_CFG = gpt.GPTConfig(
 )
 
 
+#: Stage costs under which zb-h2 on 2 stages packs W into weight lanes (a first stage with a
+#: nearly free B and a long W, as measured on the MLP).
+PACKING_COSTS = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
+
+
 def _compiled_text(
-    schedule: str, microbatches: int, model: str = "mlp"
+    schedule: str, microbatches: int, model: str = "mlp", costs=None
 ) -> tuple[str, zbjax.Pipeline]:
     module, cfg = (mlp, CFG) if model == "mlp" else (gpt, GPT_CFG)
     params = module.init_params(jax.random.key(0), cfg)
     batch = module.make_batch(jax.random.key(1), cfg, (8 if model == "mlp" else 2) * microbatches)
     mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
     pipe = zbjax.pipeline(
-        module.make_loss_fn(cfg), mesh=mesh, schedule=schedule, num_microbatches=microbatches
+        module.make_loss_fn(cfg),
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=microbatches,
+        costs=costs,
     )
     staged = pipe.stage(params, batch)
     return pipe.lower(staged, batch).compile().as_text(), pipe
 
 
 @pytest.mark.parametrize(
-    "schedule, model", [("1f1b", "mlp"), ("zb-h1", "mlp"), ("zb-h2", "mlp"), ("zb-h2", "gpt")]
+    "schedule, model, packed",
+    [
+        ("1f1b", "mlp", False),
+        ("zb-h1", "mlp", False),
+        ("zb-h2", "mlp", False),
+        ("zb-h2", "gpt", False),
+        ("zb-h2", "gpt", True),
+    ],
 )
-def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model):
-    text, pipe = _compiled_text(schedule, 4, model)
+def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed):
+    text, pipe = _compiled_text(schedule, 4, model, PACKING_COSTS if packed else None)
     low = pipe.lowering
     tables = low.tables
+    assert ((tables.weight_stage >= 0).sum() > 0) == packed  # weight lanes read pools too
     pools = set()
     for slots, capacity in (
         (tables.num_residual_slots, low.residual_capacity),
@@ -67,12 +84,13 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model):
     assert not copied_pools, f"pool buffers copied per tick: {copied_pools} (pools {pools})"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
-def test_every_action_runs_before_the_ticks_ppermute(schedule):
+@pytest.mark.parametrize("schedule, packed", [("1f1b", False), ("zb-h2", False), ("zb-h2", True)])
+def test_every_action_runs_before_the_ticks_ppermute(schedule, packed):
     # An action that sends nothing (W, the last stage's F) must not be scheduled after the
     # tick's collective: it would then run in the next tick, while the other devices wait.
-    text, pipe = _compiled_text(schedule, 4)
+    text, pipe = _compiled_text(schedule, 4, costs=PACKING_COSTS if packed else None)
     tables = pipe.lowering.tables
+    assert bool((tables.weight_stage >= 0).any()) == packed
     # One conditional per (kind, stage) the main lane runs, and one per packed W's stage in
     # every weight lane.
     expected = len(pipe_actions(schedule)) + tables.num_weight_lanes * len(

@@ -207,7 +207,7 @@ def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
     loss_fn, params, batch, reference = mlp_setup
     costs = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
     tables = {}
-    for pack in (True, False):
+    for pack in (None, False):  # None, the default: pack because costs are given
         pipe = zbjax.pipeline(
             loss_fn,
             mesh=pp_mesh(2),
@@ -218,11 +218,17 @@ def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
         )
         assert_close(pipe.value_and_grad(params, batch), reference)
         tables[pack] = pipe.lowering.tables
-        if pack:
+        if pack is None:
             assert "W packed into weight lanes" in pipe.report()
-    assert (tables[True].weight_stage >= 0).sum() > 0
-    assert tables[True].num_ticks < tables[False].num_ticks
+    assert (tables[None].weight_stage >= 0).sum() > 0
+    assert tables[None].num_ticks < tables[False].num_ticks
     assert tables[False].num_weight_lanes == 0
+    # Without costs the default does not pack by the static estimates.
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h2", num_microbatches=4)
+    pipe.stage(params, batch)  # builds the lowering, compiles nothing
+    assert pipe.lowering.tables.num_weight_lanes == 0
+    with pytest.raises(zbjax.PipelineError, match="pack_ticks='yes'"):
+        zbjax.pipeline(loss_fn, mesh=pp_mesh(2), pack_ticks="yes")
 
 
 # ----------------------------------------------------------------------------- memory, compile time

@@ -798,7 +798,8 @@ def _run(
         def tick(carry, x):
             residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
-             msg_read, msg_write, w_code, w_micro, w_res_read, w_kept_read, w_st_read) = x  # fmt: skip
+             msg_read, msg_write, w_code, w_micro, w_res_read, w_kept_read,
+             w_st_read) = x  # fmt: skip
             ctx = dict(
                 rows=rows,
                 batch=batch,
