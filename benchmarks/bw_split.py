@@ -24,14 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from zbjax.cost_model import matmul_flops
-from zbjax.lower import slot_layout
 from zbjax.partition import partition
-from zbjax.split import forwarded_stash, split
-from zbjax.stages import StageGraph, StageProgram
+from zbjax.profile import lowered_b_and_w, stage_arguments, stash_forwarded
+from zbjax.split import split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E402
@@ -160,92 +158,8 @@ def reference_cases(sizes: Sizes) -> list[Case]:
     return cases
 
 
-def _random_like(key: jax.Array, aval: Any) -> jax.Array:
-    if jnp.issubdtype(aval.dtype, jnp.floating):
-        return jax.random.normal(key, aval.shape, aval.dtype)
-    return jnp.zeros(aval.shape, aval.dtype)
-
-
-def backward_inputs(
-    graph: StageGraph,
-    programs: Sequence[StageProgram],
-    params: Any,
-    microbatch: Any,
-    stage_index: int,
-) -> list[jax.Array]:
-    """Returns (residuals..., output cotangents...) of ``stage_index``: B's and BW's arguments.
-
-    Residuals come from running the forwards of stages 0..stage_index on the real microbatch;
-    output cotangents are random normals of the right shapes (timing does not depend on them).
-    """
-    param_leaves = jax.tree_util.tree_leaves(params)
-    batch_leaves = jax.tree_util.tree_leaves(microbatch)
-    sent: dict[int, list[Any]] = {}
-    for stage in graph.stages[: stage_index + 1]:
-        args = (
-            stage.param_inputs(param_leaves)
-            + [batch_leaves[i] for i in stage.batch_leaves]
-            + [v for e in stage.in_edges for v in sent[e]]
-        )
-        outs = list(jax.jit(jaxpr_as_fun(programs[stage.index].forward))(*args))
-        num_out = len(stage.output_differentiable)
-        start = 0
-        for e in stage.out_edges:
-            n = len(graph.edges[e].values)
-            sent[e] = outs[start : start + n]
-            start += n
-    residuals = outs[num_out:]
-    stage = graph.stages[stage_index]
-    if stage_index == graph.loss_stage:
-        return residuals + [jnp.asarray(1.0, stage.jaxpr.out_avals[0].dtype)]
-    keys = iter(jax.random.split(jax.random.key(2), num_out))
-    cts = [
-        _random_like(next(keys), aval)
-        for aval, differentiable in zip(
-            stage.jaxpr.out_avals, stage.output_differentiable, strict=True
-        )
-        if differentiable
-    ]
-    return residuals + cts
-
-
 def _block(x: Any) -> Any:
     return jax.block_until_ready(x)
-
-
-def stash_forwarded(program: Any) -> list[int | None]:
-    """Returns, per stash value W reads, the residual index it is read from (None: B writes it),
-    as the lowering lays the stash out (``zbjax.lower.slot_layout``)."""
-    return [
-        f if where != "stash" else None
-        for f, (where, _) in zip(forwarded_stash(program), slot_layout(program).stash, strict=True)
-    ]
-
-
-def lowered_b_and_w(program: Any, num_in: int) -> tuple[Any, Any]:
-    """Returns B and W of ``program`` jitted as the lowering runs them.
-
-    B(*backward args) returns (input cotangents, the stash values W does not find elsewhere);
-    W(residuals, those values) reads the others where they are (a kept residual slot, a param,
-    a batch leaf), as ``zbjax.lower.slot_layout`` decides.
-    """
-    forwarded = stash_forwarded(program)
-    b_program = jaxpr_as_fun(program.backward_input)
-    w_program = jaxpr_as_fun(program.backward_weight)
-
-    @jax.jit
-    def backward_input(*args):
-        outs = b_program(*args)
-        stash = outs[num_in:]
-        return outs[:num_in], [v for v, f in zip(stash, forwarded, strict=True) if f is None]
-
-    @jax.jit
-    def backward_weight(residuals, new):
-        computed = iter(new)
-        stash = [next(computed) if f is None else residuals[f] for f in forwarded]
-        return w_program(*stash)
-
-    return backward_input, backward_weight
 
 
 def measure(case: Case, repeats: int) -> Measurement:
@@ -253,7 +167,13 @@ def measure(case: Case, repeats: int) -> Measurement:
     graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
     programs = split(graph)
     program = programs[case.stage_index]
-    args = backward_inputs(graph, programs, case.params, case.microbatch, case.stage_index)
+    args = stage_arguments(
+        graph,
+        programs,
+        jax.tree_util.tree_leaves(case.params),
+        jax.tree_util.tree_leaves(case.microbatch),
+        case.stage_index,
+    )[1]
     num_in = sum(graph.stages[case.stage_index].input_differentiable)
     num_residuals = len(program.residual_avals)
     forwarded = stash_forwarded(program)

@@ -29,18 +29,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zbjax
 from zbjax import schedules
 from zbjax.partition import partition
+from zbjax.profile import measure_stage_costs
 from zbjax.split import split
 from zbjax.ticks import choose_ticks, pack_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
-from bw_split import backward_inputs, lowered_b_and_w, machine_load
+from bw_split import machine_load
 
 from models import mlp
 
@@ -169,58 +169,22 @@ def place_textbook(mesh: jax.sharding.Mesh, params: dict[str, jax.Array]) -> dic
 # --------------------------------------------------------------------------- costs, prediction
 
 
-def _median_times(calls: Sequence[tuple[Callable[..., Any], Sequence[Any]]], repeats: int):
-    """Returns the median seconds of each (fn, args) call, the calls alternating."""
-    for fn, args in calls:  # compile and warm up
-        jax.block_until_ready(fn(*args))
-    times: list[list[float]] = [[] for _ in calls]
-    for _ in range(repeats):
-        for k, (fn, args) in enumerate(calls):
-            began = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[k].append(time.perf_counter() - began)
-    return [statistics.median(t) for t in times]
-
-
 def measured_costs(
     loss_fn: Callable[..., Any], params: Any, microbatch: Any, repeats: int
 ) -> schedules.Costs:
-    """Returns per-stage median seconds of F, B and W, each jitted alone on one device.
-
-    B and W are timed as the lowering runs them (``bw_split.lowered_b_and_w``): B writes only
-    the stash values W does not read from the residual slot, so a first stage's B, which has
-    no input cotangent to compute, costs next to nothing and its W does the whole backward.
+    """Returns per-stage median seconds of F, B and W, each jitted alone on one device, as
+    ``Pipeline.measure_costs`` measures them (``zbjax.profile``): B and W are timed as the
+    lowering runs them, so a first stage's B, which has no input cotangent to compute, costs
+    next to nothing and its W does the whole backward.
     """
     graph = partition(loss_fn, params, microbatch)
-    programs = split(graph)
-    param_leaves = jax.tree_util.tree_leaves(params)
-    batch_leaves = jax.tree_util.tree_leaves(microbatch)
-    f, b, w = [], [], []
-    for index, program in enumerate(programs):
-        stage = graph.stages[index]
-        args = backward_inputs(graph, programs, params, microbatch, index)
-        num_in = sum(stage.input_differentiable)
-        backward_input, backward_weight = lowered_b_and_w(program, num_in)
-        new = backward_input(*args)[1]
-        residuals = args[: len(program.residual_avals)]
-        forward_args = stage.param_inputs(param_leaves) + [
-            batch_leaves[i] for i in stage.batch_leaves
-        ]
-        in_avals = program.forward.in_avals[len(forward_args) :]
-        keys = jax.random.split(jax.random.key(3), len(in_avals) + 1)
-        forward_args += [
-            jax.random.normal(keys[i], a.shape, a.dtype) for i, a in enumerate(in_avals)
-        ]
-        calls = [
-            (jax.jit(jaxpr_as_fun(program.forward)), forward_args),
-            (backward_input, args),
-            (backward_weight, (residuals, new)),
-        ]
-        tf, tb, tw = _median_times(calls, repeats)
-        f.append(tf)
-        b.append(tb)
-        w.append(tw)
-    return schedules.Costs(tuple(f), tuple(b), tuple(w), 0.0)
+    return measure_stage_costs(
+        graph,
+        split(graph),
+        jax.tree_util.tree_leaves(params),
+        jax.tree_util.tree_leaves(microbatch),
+        repeats,
+    )
 
 
 def lockstep_time(

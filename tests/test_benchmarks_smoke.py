@@ -80,9 +80,9 @@ def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_sectio
     result = multiprocess.launch(rounds=1, microbatches=[2], smoke=True)
     assert result["ppermute_ms"] > 0 and len(result["costs_ms"][0]) == 2
     rows = result["m"]["2"]
-    assert set(rows) == set(multiprocess.SCHEDULE_NAMES) and rows["1f1b"]["ratio"] == 1.0
+    assert set(rows) == set(multiprocess.VARIANTS) and rows["1f1b"]["ratio"] == 1.0
     text = multiprocess.section(result, 1, [2], 1.0)
-    assert text.count("| 2 |") == len(multiprocess.SCHEDULE_NAMES)
+    assert text.count("| 2 |") == len(multiprocess.VARIANTS)
 
 
 def test_gpu_script_refuses_politely_without_a_gpu(capsys):

@@ -231,6 +231,19 @@ def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), pack_ticks="yes")
 
 
+def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
+    loss_fn, params, batch, reference = mlp_setup
+    mesh = jax.make_mesh((2, 2), ("pp", "data"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4)
+    costs = pipe.measure_costs(params, batch, repeats=3)
+    for times in (costs.f, costs.b, costs.w):
+        assert len(times) == 2 and all(0 < t < 1 for t in times)
+    packed = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4, costs=costs)
+    assert_close(packed.value_and_grad(params, batch), reference)
+    with pytest.raises(zbjax.PipelineError, match="user layout"):
+        pipe.measure_costs(pipe.stage(params), batch)
+
+
 # ----------------------------------------------------------------------------- memory, compile time
 
 MEM_CFG = gpt.GPTConfig(vocab_size=64, seq_len=32, d_model=32, num_heads=2, num_layers=4)

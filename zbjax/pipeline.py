@@ -63,6 +63,7 @@ from zbjax.params import (
     unstage_leaves,
 )
 from zbjax.partition import partition, stage_summary
+from zbjax.profile import measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
@@ -207,6 +208,41 @@ class Pipeline:
         """Returns the jitted step's ``Lowered`` for these inputs (``.compile()`` works)."""
         built = self._get(params, batch, key)
         return built.step.lower(params, batch, key)
+
+    def measure_costs(
+        self, params: Any, batch: Any, key: jax.Array | None = None, repeats: int = 10
+    ) -> Costs:
+        """Returns each stage's F, B and W time in seconds, measured on one device.
+
+        Every stage program of this pipeline (built for ``batch``'s shapes) runs jitted alone
+        on the first device of the mesh on the first microbatch (its data-parallel shard), F,
+        B and W alternating, ``repeats`` times after a warm-up; the medians are returned.
+        Pass them as ``costs=`` to a new ``zbjax.pipeline``: zb-auto and the DAG schedules plan
+        with them, and the lowering packs W into the spare time of ticks by them
+        (``pack_ticks``). Over several processes, measure on one and give every process the
+        same costs, so that all build the same program.
+        """
+        if isinstance(params, StagedParams):
+            raise PipelineError(
+                "measure_costs takes params in the user layout (the stages read the user "
+                "leaves); pass the params you would give value_and_grad before pipe.stage"
+            )
+        built = self._get(params, batch, key)
+        m, shards = self.num_microbatches, self.data_parallel_size
+        device = next(
+            d for d in np.ravel(self.mesh.devices) if d.process_index == jax.process_index()
+        )
+        stacked = split_microbatches(batch, m)
+        if key is not None:
+            stacked = (stacked, microbatch_keys(key, m))
+        micro = []
+        for leaf in jax.tree.leaves(stacked):
+            first = leaf[0]
+            if first.ndim >= 1:  # rows, split over the data-parallel shards
+                first = first[: first.shape[0] // shards]
+            micro.append(jax.device_put(first, device))
+        param_leaves = [jax.device_put(x, device) for x in jax.tree.leaves(params)]
+        return measure_stage_costs(built.graph, built.programs, param_leaves, micro, repeats)
 
     def stage(self, params: Any, batch: Any = None, key: jax.Array | None = None) -> StagedParams:
         """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``.
