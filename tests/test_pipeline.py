@@ -231,6 +231,30 @@ def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), pack_ticks="yes")
 
 
+def test_first_stage_backward_runs_fused_when_its_b_is_empty_and_costs_say_so(mlp_setup):
+    # Costs of step_time's MLP on one core: the first stage's B computes nothing, so the
+    # lowering runs its backward as BW where B stood, one tick per microbatch fewer.
+    loss_fn, params, batch, reference = mlp_setup
+    costs = zbjax.schedules.Costs((3.65, 2.34), (0.10, 2.31), (4.55, 2.92), 0.78)
+    ticks = {}
+    for pack in (None, False):
+        pipe = zbjax.pipeline(
+            loss_fn,
+            mesh=pp_mesh(2),
+            schedule="zb-h1",
+            num_microbatches=4,
+            costs=costs,
+            pack_ticks=pack,
+        )
+        assert_close(pipe.value_and_grad(params, batch), reference)
+        kinds = {(a.kind, a.stage) for _, _, a in pipe.schedule.all_actions()}
+        fused = pack is None
+        assert (("BW", 0) in kinds) == fused and (("W", 0) in kinds) != fused
+        assert ("W", 1) in kinds  # the last stage keeps its split
+        ticks[pack] = pipe.lowering.tables.num_ticks
+    assert ticks[None] < ticks[False]
+
+
 def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     loss_fn, params, batch, reference = mlp_setup
     mesh = jax.make_mesh((2, 2), ("pp", "data"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])

@@ -15,10 +15,12 @@ from zbjax.ticks import (
     MessageEdge,
     choose_ticks,
     decode_actions,
+    fuse_backward,
     incoming_messages,
     lockstep_ticks,
     outgoing_messages,
     pack_ticks,
+    plan_ticks,
     tick_tables,
     tick_time,
 )
@@ -308,3 +310,39 @@ def test_packing_brings_zb_h2_lockstep_time_to_the_simulated_makespan():
     assert plain > 1.06 * makespan
     assert tick_time(schedule, chosen, costs) < 1.01 * makespan
     assert max(t for t, _ in chosen.values()) < max(t for t, _ in pack_ticks(schedule).values())
+
+
+#: Stage costs of step_time's MLP on one core each (benchmarks/multiprocess.py): the first
+#: stage's B computes nothing (0.1 ms), its W the whole backward.
+ONE_CORE_COSTS = schedules.Costs((3.65, 2.34), (0.10, 2.31), (4.55, 2.92), 0.78)
+
+
+def test_fuse_backward_turns_a_stages_b_into_bw_in_place_and_drops_its_w():
+    schedule = build("zb-h1", 2, 4)
+    fused = fuse_backward(schedule, [0])
+    for before, after in zip(schedule.actions, fused.actions, strict=True):
+        expected = [
+            Action("BW", a.stage, a.microbatch) if (a.kind, a.stage) == ("B", 0) else a
+            for a in before
+            if (a.kind, a.stage) != ("W", 0)
+        ]
+        assert list(after) == expected
+    tables = tick_tables(fused, costs=ONE_CORE_COSTS)
+    assert decode_actions(tables) == fused.actions
+    replay(tables, fused)
+
+
+def test_plan_ticks_fuses_an_empty_backward_only_when_the_ticks_get_shorter():
+    for m in (4, 8, 16):
+        schedule = build("zb-h1", 2, m)
+        planned = plan_ticks(schedule, ONE_CORE_COSTS, [0])
+        # One near-empty B tick per microbatch less on device 0: 9-11 % shorter here.
+        assert planned.actions == fuse_backward(schedule, [0]).actions
+        before = tick_time(schedule, choose_ticks(schedule, ONE_CORE_COSTS), ONE_CORE_COSTS)
+        after = tick_time(planned, choose_ticks(planned, ONE_CORE_COSTS), ONE_CORE_COSTS)
+        assert after < 0.93 * before
+    schedule = build("zb-h1", 2, 4)
+    assert plan_ticks(schedule, None, [0]) is schedule  # no costs: the schedule as built
+    assert plan_ticks(schedule, ONE_CORE_COSTS, []) is schedule  # no empty backward
+    one_f_one_b = build("1f1b", 2, 4)
+    assert plan_ticks(one_f_one_b, ONE_CORE_COSTS, [0]) is one_f_one_b  # nothing split

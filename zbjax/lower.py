@@ -56,6 +56,7 @@ from zbjax.ticks import (
     TickTables,
     incoming_messages,
     outgoing_messages,
+    plan_ticks,
     tick_tables,
 )
 
@@ -340,7 +341,9 @@ def lower(
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
 
     With ``costs`` (per-stage F/B/W times, any unit), devices that finish a tick's action early
-    also run the W actions that fit in the rest of the tick (``ticks.choose_ticks``).
+    also run the W actions that fit in the rest of the tick (``ticks.choose_ticks``), and a
+    stage whose B computes nothing runs its backward fused where that shortens the ticks
+    (``ticks.plan_ticks``); ``Lowering.schedule`` is the schedule that runs.
     """
     programs = tuple(programs)
     missing = tuple(pair for pair in graph.edge_pairs if pair not in schedule.edges)
@@ -354,6 +357,10 @@ def lower(
         # A skip edge i -> j (i < j) of the graph is implied by a chain schedule's order;
         # adding it lets the tick tables route its messages.
         schedule = dataclasses.replace(schedule, edges=schedule.edges + missing)
+    # A stage with no differentiable input (the first) has an empty B: its whole backward is
+    # W. Run it fused where B stood when the costs say the ticks get shorter.
+    empty_backward = [s.index for s in graph.stages if not any(s.input_differentiable)]
+    schedule = plan_ticks(schedule, costs, empty_backward)
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )

@@ -467,7 +467,8 @@ class Pipeline:
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
         step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
         step_with_pools = jax.jit(step_fn, donate_argnums=3)
-        return _Built(graph, programs, schedule, lowering, step, kind, step_with_pools)
+        # The lowering's schedule is what runs (it may fuse a stage's empty B with its W).
+        return _Built(graph, programs, lowering.schedule, lowering, step, kind, step_with_pools)
 
     def _partition(self, params_avals: Any, micro: Any, key_aval: Any) -> tuple[str, _Partitioned]:
         """Returns (the partitioner used, the stage graph and its placement if it chose one)."""
@@ -788,7 +789,9 @@ def pipeline(
 
     ``pack_ticks``: the compiled step advances all devices tick by tick, each tick as long as
     its slowest action; when packing, a device that would finish early also runs the W actions
-    that fit in the rest of the tick, judged by ``costs``, if that shortens the predicted step.
+    that fit in the rest of the tick, judged by ``costs``, if that shortens the predicted step,
+    and a stage whose B computes nothing (no differentiable input, like the first) runs its
+    backward fused where B stood if that does (``pipe.schedule`` is then the fused schedule).
     None (default): pack when ``costs`` is given (times you measured, e.g. each stage's F, B
     and W jitted alone); True: pack by ``costs`` or, without them, by the stage programs'
     static estimates (FLOPs plus bytes moved; rough on small stages); False: one action per

@@ -268,6 +268,44 @@ def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[
     return best
 
 
+def fuse_backward(schedule: Schedule, stages: Sequence[int]) -> Schedule:
+    """Returns ``schedule`` with the backward of ``stages`` fused: each B becomes a BW where it
+    stands and its W is dropped. Meant for stages whose B computes nothing (no differentiable
+    input to send a cotangent to): split, they spend a tick on an empty B and hold W's inputs
+    until W; fused, their whole backward runs where B did."""
+    fused = set(stages)
+    return schedule.with_actions(
+        [
+            [
+                Action("BW", a.stage, a.microbatch) if a.kind == "B" and a.stage in fused else a
+                for a in program
+                if not (a.kind == "W" and a.stage in fused)
+            ]
+            for program in schedule.actions
+        ]
+    )
+
+
+def plan_ticks(
+    schedule: Schedule, costs: Costs | None, empty_backward: Sequence[int] = ()
+) -> Schedule:
+    """Returns the schedule to run: ``schedule``, or it with the backward of the stages in
+    ``empty_backward`` (those whose B computes nothing) fused (``fuse_backward``), whichever
+    ``choose_ticks`` runs in less ``tick_time`` under ``costs`` (``schedule`` on a tie, and
+    always without ``costs``)."""
+    split = [
+        s
+        for s in empty_backward
+        if any(a.kind == "W" and a.stage == s for _, _, a in schedule.all_actions())
+    ]
+    if costs is None or not split:
+        return schedule
+    fused = fuse_backward(schedule, split)
+    before = tick_time(schedule, choose_ticks(schedule, costs), costs)
+    after = tick_time(fused, choose_ticks(fused, costs), costs)
+    return fused if after < before * (1.0 - 1e-9) else schedule
+
+
 def outgoing_messages(
     edges: Sequence[MessageEdge],
     placement: Sequence[int],
