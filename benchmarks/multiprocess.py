@@ -197,7 +197,9 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "predicted = the simulator's makespan ratio from the one-core costs; lockstep + "
         "comm = every tick as long as its busiest device plus one ppermute. The pipelines "
         "get these costs (`pipeline(costs=...)`) and pack W into a tick's spare time where they "
-        f"say it pays; *{UNPACKED}* runs one action per device per tick.",
+        f"say it pays (and run the first stage's backward fused, its B having nothing to "
+        f"compute, where that shortens the ticks); *{UNPACKED}* runs one action per device "
+        "per tick, as built.",
         "",
         "| m | schedule | step (ms) | measured / 1f1b | predicted / 1f1b | lockstep + comm / 1f1b "
         "| predicted step (ms, lockstep + comm) | ticks |",

@@ -36,7 +36,7 @@ from zbjax import schedules
 from zbjax.partition import partition
 from zbjax.profile import measure_stage_costs
 from zbjax.split import split
-from zbjax.ticks import choose_ticks, pack_ticks
+from zbjax.ticks import choose_ticks, pack_ticks, plan_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
@@ -195,13 +195,19 @@ def lockstep_time(
 ) -> tuple[float, int]:
     """Returns (compute time when every tick lasts as long as its busiest device, ticks).
 
-    The ticks are the lowering's: with ``pack``, W actions packed into weight lanes where the
-    costs say it pays (``choose_ticks``, as ``pipeline(costs=...)`` does), else one action per
-    device per tick. ``slowdown`` stretches the ticks in which more than one device computes:
-    the measured cost of running on every device at once over running on one (the parallelism
-    check).
+    The ticks are the lowering's: with ``pack``, the first stage's backward fused and W actions
+    packed into weight lanes where the costs say it pays (``plan_ticks``, ``choose_ticks``, as
+    ``pipeline(costs=...)`` does), else one action per device per tick. ``slowdown``
+    stretches the ticks in which more than one device computes: the measured cost of running
+    on every device at once over running on one (the parallelism check).
     """
-    positions = choose_ticks(schedule, costs) if pack else pack_ticks(schedule)
+    if pack:
+        # As the lowering plans it: the first stage (no differentiable input, so an empty B)
+        # may run fused, and W may be packed.
+        schedule = plan_ticks(schedule, costs, [0])
+        positions = choose_ticks(schedule, costs)
+    else:
+        positions = pack_ticks(schedule)
     num_ticks = max(t for t, _ in positions.values()) + 1
     busy = [dict() for _ in range(num_ticks)]
     for action, (t, _) in positions.items():
@@ -628,8 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the span bubble implies (`span_bubble_rate`: steady state with successive steps "
             "overlapping, which a single jitted step does not do); *lockstep* is how the "
             "lowering runs: every tick lasts as long as its busiest device, whose W may be "
-            "packed after its main action where the costs say it pays (the pipelines get the "
-            "measured costs, `pipeline(costs=...)`); *lockstep + tick "
+            "packed after its main action, and the first stage's backward fused (its B has "
+            "nothing to compute), where the costs say it pays (the pipelines get the measured "
+            "costs, `pipeline(costs=...)`); *lockstep + tick "
             "overhead* adds the per-tick and fixed costs measured below; *lockstep, contended* "
             "stretches every tick in which both devices compute by the parallelism check's "
             "slowdown (the two fake devices share this machine's cores and memory), which is "
@@ -639,8 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "all the step's work instead (every action's cost summed), the right baseline "
             "when the parallelism check reads about 2.",
             f"*{FRESH}* is {TARGET} with its slot pools allocated in every step instead of "
-            f"kept between calls (the CPU default); *{UNPACKED}* is {TARGET} running one "
-            "action per device per tick (no W packed into weight lanes).",
+            f"kept between calls (the CPU default); *{UNPACKED}* is {TARGET} as built, one "
+            "action per device per tick (no W packed, no backward fused).",
             f"Baselines in the same rounds: unpipelined = `jax.jit(jax.value_and_grad(loss))` "
             "on one device (XLA may use both cores for its larger matmuls); textbook = a GPipe "
             "loop (`lax.scan` over m + p − 1 ticks, `ppermute`) inside `shard_map`, "
