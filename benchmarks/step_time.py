@@ -36,7 +36,7 @@ from zbjax import schedules
 from zbjax.partition import partition
 from zbjax.profile import measure_stage_costs
 from zbjax.split import split
-from zbjax.ticks import choose_ticks, pack_ticks, plan_ticks
+from zbjax.ticks import pack_ticks, plan_ticks, tick_lengths
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
@@ -201,20 +201,14 @@ def lockstep_time(
     stretches the ticks in which more than one device computes: the measured cost of running
     on every device at once over running on one (the parallelism check).
     """
-    if pack:
-        # As the lowering plans it: the first stage (no differentiable input, so an empty B)
-        # may run fused, and W may be packed.
-        schedule = plan_ticks(schedule, costs, [0])
-        positions = choose_ticks(schedule, costs)
-    else:
-        positions = pack_ticks(schedule)
-    num_ticks = max(t for t, _ in positions.values()) + 1
-    busy = [dict() for _ in range(num_ticks)]
-    for action, (t, _) in positions.items():
-        device = schedule.placement[action.stage]
-        busy[t][device] = busy[t].get(device, 0.0) + costs.of(action, schedule.num_stages)
-    stretched = [max(b.values()) * (slowdown if len(b) > 1 else 1.0) for b in busy if b]
-    return sum(stretched), num_ticks
+    # As the lowering plans it: the first stage (no differentiable input, so an empty B) may
+    # run fused, and W may be packed.
+    planned, positions = (
+        plan_ticks(schedule, costs, [0]) if pack else (schedule, pack_ticks(schedule))
+    )
+    lengths = tick_lengths(planned, positions, costs)
+    stretched = [seconds * (slowdown if busy > 1 else 1.0) for seconds, busy in lengths]
+    return sum(stretched), len(lengths)
 
 
 @dataclass(frozen=True)

@@ -201,25 +201,33 @@ def test_report_names_stages_schedule_bubble_and_compiled_memory(mlp_setup):
         assert needle in text
 
 
-def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
-    # Measured-like costs of a 2-stage MLP: stage 0's B is nearly free (no input gradient),
-    # its W long; at m = 4, zb-h2 then packs W after B where the other device's F runs anyway.
+def planned_and_plain(mlp_setup, schedule, costs):
+    """Returns {pack_ticks: pipeline} for None (the default: plan the ticks, since costs are
+    given) and False, each checked against jax.value_and_grad on the MLP at m = 4."""
     loss_fn, params, batch, reference = mlp_setup
-    costs = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
-    tables = {}
-    for pack in (None, False):  # None, the default: pack because costs are given
+    pipes = {}
+    for pack in (None, False):
         pipe = zbjax.pipeline(
             loss_fn,
             mesh=pp_mesh(2),
-            schedule="zb-h2",
+            schedule=schedule,
             num_microbatches=4,
             costs=costs,
             pack_ticks=pack,
         )
         assert_close(pipe.value_and_grad(params, batch), reference)
-        tables[pack] = pipe.lowering.tables
-        if pack is None:
-            assert "W packed into weight lanes" in pipe.report()
+        pipes[pack] = pipe
+    return pipes
+
+
+def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
+    # Measured-like costs of a 2-stage MLP: stage 0's B is nearly free (no input gradient),
+    # its W long; at m = 4, zb-h2 then packs W after B where the other device's F runs anyway.
+    loss_fn, params, batch, _ = mlp_setup
+    costs = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
+    pipes = planned_and_plain(mlp_setup, "zb-h2", costs)
+    assert "W packed into weight lanes" in pipes[None].report()
+    tables = {pack: pipe.lowering.tables for pack, pipe in pipes.items()}
     assert (tables[None].weight_stage >= 0).sum() > 0
     assert tables[None].num_ticks < tables[False].num_ticks
     assert tables[False].num_weight_lanes == 0
@@ -234,25 +242,14 @@ def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
 def test_first_stage_backward_runs_fused_when_its_b_is_empty_and_costs_say_so(mlp_setup):
     # Costs of step_time's MLP on one core: the first stage's B computes nothing, so the
     # lowering runs its backward as BW where B stood, one tick per microbatch fewer.
-    loss_fn, params, batch, reference = mlp_setup
     costs = zbjax.schedules.Costs((3.65, 2.34), (0.10, 2.31), (4.55, 2.92), 0.78)
-    ticks = {}
-    for pack in (None, False):
-        pipe = zbjax.pipeline(
-            loss_fn,
-            mesh=pp_mesh(2),
-            schedule="zb-h1",
-            num_microbatches=4,
-            costs=costs,
-            pack_ticks=pack,
-        )
-        assert_close(pipe.value_and_grad(params, batch), reference)
+    pipes = planned_and_plain(mlp_setup, "zb-h1", costs)
+    for pack, pipe in pipes.items():
         kinds = {(a.kind, a.stage) for _, _, a in pipe.schedule.all_actions()}
         fused = pack is None
         assert (("BW", 0) in kinds) == fused and (("W", 0) in kinds) != fused
         assert ("W", 1) in kinds  # the last stage keeps its split
-        ticks[pack] = pipe.lowering.tables.num_ticks
-    assert ticks[None] < ticks[False]
+    assert pipes[None].lowering.tables.num_ticks < pipes[False].lowering.tables.num_ticks
 
 
 def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):

@@ -242,12 +242,15 @@ def test_packed_tables_replay_and_decode_to_the_schedule(name):
     for devices, micro in ((2, 2), (2, 6), (4, 8)):
         schedule = build(name, devices, micro)
         costs = costs_for(schedule, PACKING_COSTS)
-        tables = tick_tables(schedule, costs=costs)
+        tables = tick_tables(schedule, positions=choose_ticks(schedule, costs))
         assert decode_actions(tables) == schedule.actions
         replay(tables, schedule)
         n = schedule.num_stages
         whole = tick_tables(
-            schedule, kept=[False] * n, residuals_until_weight=[True] * n, costs=costs
+            schedule,
+            kept=[False] * n,
+            residuals_until_weight=[True] * n,
+            positions=choose_ticks(schedule, costs),
         )
         replay(whole, schedule, kept=False, until_weight=True)
         packed += int((tables.weight_stage >= 0).sum())
@@ -327,7 +330,7 @@ def test_fuse_backward_turns_a_stages_b_into_bw_in_place_and_drops_its_w():
             if (a.kind, a.stage) != ("W", 0)
         ]
         assert list(after) == expected
-    tables = tick_tables(fused, costs=ONE_CORE_COSTS)
+    tables = tick_tables(fused, positions=choose_ticks(fused, ONE_CORE_COSTS))
     assert decode_actions(tables) == fused.actions
     replay(tables, fused)
 
@@ -335,14 +338,15 @@ def test_fuse_backward_turns_a_stages_b_into_bw_in_place_and_drops_its_w():
 def test_plan_ticks_fuses_an_empty_backward_only_when_the_ticks_get_shorter():
     for m in (4, 8, 16):
         schedule = build("zb-h1", 2, m)
-        planned = plan_ticks(schedule, ONE_CORE_COSTS, [0])
+        planned, positions = plan_ticks(schedule, ONE_CORE_COSTS, [0])
         # One near-empty B tick per microbatch less on device 0: 9-11 % shorter here.
         assert planned.actions == fuse_backward(schedule, [0]).actions
+        assert positions == choose_ticks(planned, ONE_CORE_COSTS)
         before = tick_time(schedule, choose_ticks(schedule, ONE_CORE_COSTS), ONE_CORE_COSTS)
-        after = tick_time(planned, choose_ticks(planned, ONE_CORE_COSTS), ONE_CORE_COSTS)
+        after = tick_time(planned, positions, ONE_CORE_COSTS)
         assert after < 0.93 * before
     schedule = build("zb-h1", 2, 4)
-    assert plan_ticks(schedule, None, [0]) is schedule  # no costs: the schedule as built
-    assert plan_ticks(schedule, ONE_CORE_COSTS, []) is schedule  # no empty backward
+    assert plan_ticks(schedule, None, [0])[0] is schedule  # no costs: the schedule as built
+    assert plan_ticks(schedule, ONE_CORE_COSTS, [])[0] is schedule  # no empty backward
     one_f_one_b = build("1f1b", 2, 4)
-    assert plan_ticks(one_f_one_b, ONE_CORE_COSTS, [0]) is one_f_one_b  # nothing split
+    assert plan_ticks(one_f_one_b, ONE_CORE_COSTS, [0])[0] is one_f_one_b  # nothing split

@@ -360,12 +360,12 @@ def lower(
     # A stage with no differentiable input (the first) has an empty B: its whole backward is
     # W. Run it fused where B stood when the costs say the ticks get shorter.
     empty_backward = [s.index for s in graph.stages if not any(s.input_differentiable)]
-    schedule = plan_ticks(schedule, costs, empty_backward)
+    schedule, positions = plan_ticks(schedule, costs, empty_backward)
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
     slot_layouts, tables, (residual_capacity, kept_capacity, stash_capacity) = _slots_and_tables(
-        programs, slot_dtypes, schedule, graph, costs
+        programs, slot_dtypes, schedule, graph, positions
     )
     layout = staged_layout(
         graph.param_avals,
@@ -423,7 +423,7 @@ def _slots_and_tables(
     dtypes: Sequence[str],
     schedule: Schedule,
     graph: StageGraph,
-    costs: Costs | None = None,
+    positions: dict | None = None,
 ) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...]]:
     """Returns the slot layouts, tick tables and (residual, kept, stash) slot sizes per dtype
     that hold the fewest bytes of slots.
@@ -442,7 +442,7 @@ def _slots_and_tables(
             message_edges(graph),
             kept=[s.has_kept for s in layouts],
             residuals_until_weight=[s.weight_reads_residuals for s in layouts],
-            costs=costs,
+            positions=positions,
         )
         capacities = _capacities(layouts, tables)
         counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)

@@ -232,17 +232,24 @@ def pack_ticks(
     return position
 
 
-def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs) -> float:
-    """Returns the time of the ticks ``positions`` run ``schedule`` in: each tick lasts as long
-    as its busiest device's actions (every lane) plus ``costs.comm`` (the tick's exchange)."""
-    busy: dict[tuple[int, int], float] = {}
+def tick_lengths(
+    schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs
+) -> list[tuple[float, int]]:
+    """Returns, per tick in order, (its compute time, the number of devices busy in it): a
+    tick lasts as long as its busiest device's actions, every lane counted."""
+    busy: dict[int, dict[int, float]] = {}
     for action, (tick, _) in positions.items():
-        key = (tick, schedule.placement[action.stage])
-        busy[key] = busy.get(key, 0.0) + costs.of(action, schedule.num_stages)
-    length: dict[int, float] = {}
-    for (tick, _), seconds in busy.items():
-        length[tick] = max(length.get(tick, 0.0), seconds)
-    return sum(length.values()) + costs.comm * len(length)
+        devices = busy.setdefault(tick, {})
+        device = schedule.placement[action.stage]
+        devices[device] = devices.get(device, 0.0) + costs.of(action, schedule.num_stages)
+    return [(max(busy[t].values()), len(busy[t])) for t in sorted(busy)]
+
+
+def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs) -> float:
+    """Returns the time of the ticks ``positions`` run ``schedule`` in: every tick's length
+    (``tick_lengths``) plus ``costs.comm`` for its exchange."""
+    lengths = tick_lengths(schedule, positions, costs)
+    return sum(seconds for seconds, _ in lengths) + costs.comm * len(lengths)
 
 
 #: How far past the tick's longest main action ``choose_ticks`` tries letting packed W run.
@@ -288,22 +295,25 @@ def fuse_backward(schedule: Schedule, stages: Sequence[int]) -> Schedule:
 
 def plan_ticks(
     schedule: Schedule, costs: Costs | None, empty_backward: Sequence[int] = ()
-) -> Schedule:
-    """Returns the schedule to run: ``schedule``, or it with the backward of the stages in
-    ``empty_backward`` (those whose B computes nothing) fused (``fuse_backward``), whichever
-    ``choose_ticks`` runs in less ``tick_time`` under ``costs`` (``schedule`` on a tie, and
-    always without ``costs``)."""
+) -> tuple[Schedule, dict[Action, tuple[int, int]]]:
+    """Returns the schedule to run and its ticks (``choose_ticks``): ``schedule``, or it with
+    the backward of the stages in ``empty_backward`` (those whose B computes nothing) fused
+    (``fuse_backward``), whichever runs in less ``tick_time`` under ``costs`` (``schedule`` on
+    a tie, and always without ``costs``)."""
+    positions = choose_ticks(schedule, costs)
     split = [
         s
         for s in empty_backward
         if any(a.kind == "W" and a.stage == s for _, _, a in schedule.all_actions())
     ]
     if costs is None or not split:
-        return schedule
+        return schedule, positions
     fused = fuse_backward(schedule, split)
-    before = tick_time(schedule, choose_ticks(schedule, costs), costs)
-    after = tick_time(fused, choose_ticks(fused, costs), costs)
-    return fused if after < before * (1.0 - 1e-9) else schedule
+    fused_positions = choose_ticks(fused, costs)
+    before = tick_time(schedule, positions, costs)
+    if tick_time(fused, fused_positions, costs) < before * (1.0 - 1e-9):
+        return fused, fused_positions
+    return schedule, positions
 
 
 def outgoing_messages(
@@ -370,7 +380,7 @@ def tick_tables(
     edges: Sequence[MessageEdge] | None = None,
     kept: Sequence[bool] | None = None,
     residuals_until_weight: Sequence[bool] | None = None,
-    costs: Costs | None = None,
+    positions: dict[Action, tuple[int, int]] | None = None,
 ) -> TickTables:
     """Returns the lockstep tables and slot allocation that run ``schedule``.
 
@@ -379,9 +389,9 @@ def tick_tables(
     ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (in a kept slot that
     lives until W); by default every stage does. ``residuals_until_weight[s]`` says whether
     stage ``s``'s W reads its residual slot (which then lives until W, else until B); by
-    default none does. With ``costs``, W actions are packed into weight lanes where that
-    shortens the ticks under them (``choose_ticks``); without, every tick runs one action per
-    device.
+    default none does. ``positions`` gives every action's (tick, lane), W actions packed into
+    weight lanes (``choose_ticks``, ``plan_ticks``); by default every tick runs one action per
+    device (``pack_ticks`` without costs).
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -392,7 +402,8 @@ def tick_tables(
                 f"the stage graph has edge {edge.src}->{edge.dst} but the schedule's edges are "
                 f"{list(schedule.edges)}; build the schedule from the same stage graph"
             )
-    positions = choose_ticks(schedule, costs)
+    if positions is None:
+        positions = pack_ticks(schedule)
     num_devices = schedule.num_devices
     placement = schedule.placement
     num_ticks = max((t for t, _ in positions.values()), default=-1) + 1
