@@ -73,7 +73,7 @@ def time_compile(p: int, m: int, rows_per_microbatch: int = 2) -> Timing:
     lowered_at = time.perf_counter()
     lowered.compile()
     done = time.perf_counter()
-    # The loop's ticks as lowered (W packed into weight lanes by the stage estimates).
+    # The loop's ticks as lowered (one action per device per tick: no costs are given).
     return Timing(p, m, lowered_at - began, done - lowered_at, pipe.lowering.tables.num_ticks)
 
 
@@ -162,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "devices). Each cell is the time of `lowered.compile()` for a freshly built "
             f"`zbjax.pipeline(..., schedule={SCHEDULE!r})`; in brackets the time of "
             "`pipe.lower(params, batch)` (trace, partition, split, schedule, lower) and the "
-            "number of ticks of the lowered loop (W packed into weight lanes where the stage "
-            "estimates say it pays). Model: GPT d_model 32, 8 blocks, seq 16, cut into p "
+            "number of ticks of the lowered loop (one action per device per tick: no costs are "
+            "given, so nothing is packed). Model: GPT d_model 32, 8 blocks, seq 16, cut into p "
             "cost-balanced stages; 2 sequences per microbatch. "
             f"{'Medians over repeats; ' if args.repeats > 1 else ''}m values were visited in "
             "alternating order.",

@@ -71,7 +71,7 @@ def worker(
     costs = step_time.measured_costs(
         loss_fn, jax.device_put(params, local), jax.device_put(micro, local), 2 if smoke else 30
     )
-    # The pipelines pack W by these costs, and every process must build the same program:
+    # The pipelines pack their ticks by these costs, and every process must build the same program:
     # all take process 0's.
     shared = multihost_utils.broadcast_one_to_all(np.array([costs.f, costs.b, costs.w]))
     costs = schedules.Costs(*(tuple(float(x) for x in row) for row in np.asarray(shared)))
@@ -196,7 +196,8 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "rounds); step is the median, measured / 1f1b the median of the ratio within a round; "
         "predicted = the simulator's makespan ratio from the one-core costs; lockstep + "
         "comm = every tick as long as its busiest device plus one ppermute. The pipelines "
-        "get these costs (`pipeline(costs=...)`) and pack W into a tick's spare time where they "
+        "get these costs (`pipeline(costs=...)`) and pack actions into a tick's spare time "
+        "after a short one (W, and F, B or BW whose messages came at an earlier tick) where they "
         f"say it pays (and run the first stage's backward fused, its B having nothing to "
         f"compute, where that shortens the ticks); *{UNPACKED}* runs one action per device "
         "per tick, as built.",

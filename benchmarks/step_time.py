@@ -195,14 +195,14 @@ def lockstep_time(
 ) -> tuple[float, int]:
     """Returns (compute time when every tick lasts as long as its busiest device, ticks).
 
-    The ticks are the lowering's: with ``pack``, the first stage's backward fused and W actions
-    packed into weight lanes where the costs say it pays (``plan_ticks``, ``choose_ticks``, as
+    The ticks are the lowering's: with ``pack``, the first stage's backward fused and actions
+    packed into lanes after short ones where the costs say it pays (``plan_ticks``, as
     ``pipeline(costs=...)`` does), else one action per device per tick. ``slowdown``
     stretches the ticks in which more than one device computes: the measured cost of running
     on every device at once over running on one (the parallelism check).
     """
     # As the lowering plans it: the first stage (no differentiable input, so an empty B) may
-    # run fused, and W may be packed.
+    # run fused, and actions may be packed into lanes.
     planned, positions = (
         plan_ticks(schedule, costs, [0]) if pack else (schedule, pack_ticks(schedule))
     )
@@ -232,7 +232,7 @@ def predict(
 ) -> Prediction:
     """Returns the simulated makespan, both bubble views and the lockstep times of
     ``schedule`` (``slowdown``: the parallelism check, for the contended lockstep time;
-    ``pack``: whether the lowering packs W into weight lanes)."""
+    ``pack``: whether the lowering packs its ticks by the costs)."""
     result = schedules.simulate(schedule, costs)
     lockstep, ticks = lockstep_time(schedule, costs, pack=pack)
     work = sum(costs.of(a, schedule.num_stages) for _, _, a in schedule.all_actions())
@@ -282,7 +282,7 @@ def pipeline_step(
     pack_ticks: bool = True,
 ) -> Callable[[], Any]:
     """Returns a thunk running one pipelined step of ``schedule`` on staged params (its W
-    packed into weight lanes by ``costs`` unless ``pack_ticks`` is False)."""
+    ticks packed by ``costs`` unless ``pack_ticks`` is False)."""
     pipe = zbjax.pipeline(
         loss_fn,
         mesh=mesh,
@@ -641,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "when the parallelism check reads about 2.",
             f"*{FRESH}* is {TARGET} with its slot pools allocated in every step instead of "
             f"kept between calls (the CPU default); *{UNPACKED}* is {TARGET} as built, one "
-            "action per device per tick (no W packed, no backward fused).",
+            "action per device per tick (nothing packed, no backward fused).",
             f"Baselines in the same rounds: unpipelined = `jax.jit(jax.value_and_grad(loss))` "
             "on one device (XLA may use both cores for its larger matmuls); textbook = a GPipe "
             "loop (`lax.scan` over m + p − 1 ticks, `ppermute`) inside `shard_map`, "

@@ -13,7 +13,7 @@ import pytest
 
 import zbjax
 from models import gpt, mlp
-from zbjax.lower import branch_keys, slot_layout, weight_lane_stages
+from zbjax.lower import branch_keys, slot_layout
 from zbjax.partition import partition
 from zbjax.split import forwarded_stash, split
 from zbjax.ticks import KIND_NAMES
@@ -64,7 +64,7 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed):
     text, pipe = _compiled_text(schedule, 4, model, PACKING_COSTS if packed else None)
     low = pipe.lowering
     tables = low.tables
-    assert ((tables.weight_stage >= 0).sum() > 0) == packed  # weight lanes read pools too
+    assert (tables.num_packed > 0) == packed  # packed lanes read and write pools too
     pools = set()
     for slots, capacity in (
         (tables.num_residual_slots, low.residual_capacity),
@@ -91,13 +91,12 @@ def test_every_action_runs_before_the_ticks_ppermute(schedule, packed):
     # tick's collective: it would then run in the next tick, while the other devices wait.
     text, pipe = _compiled_text(schedule, 4, costs=PACKING_COSTS if packed else None)
     tables = pipe.lowering.tables
-    assert bool((tables.weight_stage >= 0).any()) == packed
-    # One conditional per (kind, stage) the main lane runs, and one per packed W's stage in
-    # every weight lane.
-    main = [(KIND_NAMES[k], s) for k, s in branch_keys(tables)[1:]]
+    assert (tables.num_packed > 0) == packed
+    # One conditional per (kind, stage) each lane runs.
+    main = [(KIND_NAMES[k], s) for k, s in branch_keys(tables, 0)[1:]]
     if not packed:
         assert sorted(main) == sorted(pipe_actions(schedule))
-    expected = len(main) + tables.num_weight_lanes * len(weight_lane_stages(tables))
+    expected = sum(len(branch_keys(tables, lane)) - 1 for lane in range(tables.num_lanes))
     loop_text = text[: text.index("\nENTRY ")]
     bodies = [
         c

@@ -220,29 +220,30 @@ def planned_and_plain(mlp_setup, schedule, costs):
     return pipes
 
 
-def test_pack_ticks_runs_w_in_spare_tick_time_and_matches_without(mlp_setup):
+def test_pack_ticks_runs_actions_in_spare_tick_time_and_matches_without(mlp_setup):
     # Measured-like costs of a 2-stage MLP: stage 0's B is nearly free (no input gradient),
-    # its W long; at m = 4, zb-h2 then packs W after B where the other device's F runs anyway.
+    # its W long; at m = 4, zb-h2 then packs W after B where the other device's F runs anyway,
+    # and device 1 runs a microbatch's F and B in one tick while device 0 runs its W.
     loss_fn, params, batch, _ = mlp_setup
     costs = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
     pipes = planned_and_plain(mlp_setup, "zb-h2", costs)
-    assert "W packed into weight lanes" in pipes[None].report()
     tables = {pack: pipe.lowering.tables for pack, pipe in pipes.items()}
-    assert (tables[None].weight_stage >= 0).sum() > 0
+    assert f"({tables[None].num_packed} actions packed" in pipes[None].report()
+    assert tables[None].num_packed > 0
     assert tables[None].num_ticks < tables[False].num_ticks
-    assert tables[False].num_weight_lanes == 0
+    assert tables[False].num_lanes == 1
     # Without costs the default does not pack by the static estimates.
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h2", num_microbatches=4)
     pipe.stage(params, batch)  # builds the lowering, compiles nothing
-    assert pipe.lowering.tables.num_weight_lanes == 0
+    assert pipe.lowering.tables.num_lanes == 1
     with pytest.raises(zbjax.PipelineError, match="pack_ticks='yes'"):
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), pack_ticks="yes")
 
 
 def test_first_stage_backward_runs_fused_when_its_b_is_empty_and_costs_say_so(mlp_setup):
-    # Costs of step_time's MLP on one core: the first stage's B computes nothing, so the
-    # lowering runs its backward as BW where B stood, one tick per microbatch fewer.
-    costs = zbjax.schedules.Costs((3.65, 2.34), (0.10, 2.31), (4.55, 2.92), 0.78)
+    # Costs of step_time's MLP (ms): the first stage's B computes nothing, so the lowering
+    # runs its backward as BW where B stood (its ticks no longer than with B and W packed).
+    costs = zbjax.schedules.Costs((1.8, 1.95), (0.1, 1.8), (2.6, 1.75))
     pipes = planned_and_plain(mlp_setup, "zb-h1", costs)
     for pack, pipe in pipes.items():
         kinds = {(a.kind, a.stage) for _, _, a in pipe.schedule.all_actions()}

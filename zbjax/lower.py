@@ -52,6 +52,8 @@ from zbjax.ticks import (
     BACKWARD_WEIGHT,
     FORWARD,
     IDLE,
+    KIND_NAMES,
+    PHASES,
     MessageEdge,
     TickTables,
     incoming_messages,
@@ -341,7 +343,7 @@ def lower(
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
 
     With ``costs`` (per-stage F/B/W times, any unit), devices that finish a tick's action early
-    also run the W actions that fit in the rest of the tick (``ticks.choose_ticks``), and a
+    also run the next actions that fit in the rest of the tick (``ticks.choose_ticks``), and a
     stage whose B computes nothing runs its backward fused where that shortens the ticks
     (``ticks.plan_ticks``); ``Lowering.schedule`` is the schedule that runs.
     """
@@ -407,7 +409,7 @@ def _capacities(
         int(s)
         for k, s in zip(tables.kind.ravel(), tables.stage.ravel(), strict=True)
         if k == BACKWARD_WEIGHT
-    } | set(weight_lane_stages(tables))
+    }
     num_dtypes = len(slot_layouts[0].residual_sizes) if slot_layouts else 0
     residual = tuple(max(s.residual_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
     kept = tuple(max(s.kept_sizes[k] for s in slot_layouts) for k in range(num_dtypes))
@@ -484,22 +486,15 @@ def stored_residual_avals(program: StageProgram) -> tuple[Any, ...]:
     )
 
 
-def branch_keys(tables: TickTables) -> tuple[tuple[int, int], ...]:
-    """Returns the (kind, stage) of every action code: idle (code 0) first, then the actions the
-    tables use, in a fixed order. The loop's per-tick action table holds these codes."""
+def branch_keys(tables: TickTables, lane: int) -> tuple[tuple[int, int], ...]:
+    """Returns the (kind, stage) of every action code of ``lane``: idle (code 0) first, then
+    the actions the tables run in that lane, in a fixed order. The loop's per-tick action
+    table holds these codes."""
+    kinds, stages = tables.kind[:, :, lane], tables.stage[:, :, lane]
     used = sorted(
-        {
-            (int(k), int(s))
-            for k, s in zip(tables.kind.ravel(), tables.stage.ravel(), strict=True)
-            if int(k) != IDLE
-        }
+        {(int(k), int(s)) for k, s in zip(kinds.ravel(), stages.ravel(), strict=True) if k != IDLE}
     )
     return ((IDLE, 0), *used)
-
-
-def weight_lane_stages(tables: TickTables) -> tuple[int, ...]:
-    """Returns the stages whose W runs in a weight lane; lane code ``k + 1`` runs the k-th."""
-    return tuple(sorted({int(s) for s in tables.weight_stage.ravel() if s >= 0}))
 
 
 def _read_slot(buffers: Sequence[jax.Array], slot: jax.Array, item: tuple) -> jax.Array:
@@ -534,30 +529,49 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _depending_on(
+    buffers: Sequence[jax.Array], sources: Sequence[jax.Array], code: jax.Array
+) -> list[jax.Array]:
+    """Returns ``buffers``, each made to depend on one element of every one of ``sources``.
+
+    The dependency is the buffer's first element selected against the sources' under a
+    predicate that is never true (action codes are not negative), so no value changes; it
+    only orders, for XLA, whatever computed the sources before whatever uses the buffers.
+    """
+    parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in sources if b.size]
+    if not parts:
+        return list(buffers)
+    dep = jnp.sum(jnp.concatenate(parts))
+    never = code < 0
+    out = []
+    for b in buffers:
+        if b.size:
+            corner = (0,) * b.ndim
+            first = jax.lax.slice(b, corner, (1,) * b.ndim)
+            b = jax.lax.dynamic_update_slice(
+                b, jnp.where(never, dep.astype(b.dtype), first), corner
+            )
+        out.append(b)
+    return out
+
+
+def _written(state: _TickState) -> list[jax.Array]:
+    """Returns every buffer an action may write: slot pools, gradients, payloads, loss."""
+    payloads = [p for per_shift in state.sends for p in per_shift]
+    return [*state.residuals, *state.kept, *state.stash, *state.grads, *payloads, state.loss]
+
+
 def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
-    """Returns ``state`` with every payload depending on every buffer the tick's action wrote.
+    """Returns ``state`` with every payload depending on every buffer the tick's actions wrote.
 
     XLA orders a loop body by data dependencies only: an action that sends nothing (W, or F on
     the last stage) may otherwise run after the ``ppermute``, in the next tick's time, where it
     adds to that tick's action while the other devices wait at the next ``ppermute``. On a
     2-device CPU mesh that made ticks last the sum of both devices' actions instead of the
     larger one. ``optimization_barrier`` does not help: XLA:CPU drops it without ordering.
-    The dependency is one element of each written buffer, selected under a predicate that is
-    never true (action codes are not negative), so the payload's values never change.
     """
-    written = [*state.residuals, *state.kept, *state.stash, *state.grads, state.loss]
-    parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in written if b.size]
-    if not parts:
-        return state
-    dep = jnp.sum(jnp.concatenate(parts))
-    never = code < 0
-    sends = [
-        [
-            p.at[:1].set(jnp.where(never, dep.astype(p.dtype), p[:1])) if p.size else p
-            for p in payloads
-        ]
-        for payloads in state.sends
-    ]
+    written = _written(state)
+    sends = [_depending_on(payloads, written, code) for payloads in state.sends]
     return dataclasses.replace(state, sends=sends)
 
 
@@ -679,7 +693,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 outs = jaxpr_as_fun(program.forward)(*params, *batch, *inputs)
                 outputs, residuals = outs[:n_outputs], outs[n_outputs:]
                 if stage_index == graph.loss_stage:
-                    loss = outputs[0].astype(loss.dtype)
+                    loss = loss + outputs[0].astype(loss.dtype)
                 else:
                     sends = place_sends(sends, lambda e: [outputs[p] for p in out_positions[e]])
                 writes = {
@@ -735,18 +749,15 @@ def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_ct
 
 
 def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
-    """Returns the per-tick tables the scan consumes, each ``[num_ticks, num_devices, ...]``."""
+    """Returns the per-tick tables the scan consumes, each ``[num_ticks, num_devices, lanes,
+    ...]`` (``message_write``: ``[num_ticks, num_devices, shifts, messages]``)."""
     tables = low.tables
-    index = {key: i for i, key in enumerate(branch_keys(tables))}
     action = np.zeros(tables.kind.shape, np.int32)
-    for (t, d), k in np.ndenumerate(tables.kind):
-        if k != IDLE:
-            action[t, d] = index[(int(k), int(tables.stage[t, d]))]
-    lane_index = {s: k + 1 for k, s in enumerate(weight_lane_stages(tables))}
-    weight_action = np.zeros(tables.weight_stage.shape, np.int32)
-    for (t, d, j), s in np.ndenumerate(tables.weight_stage):
-        if s >= 0:
-            weight_action[t, d, j] = lane_index[int(s)]
+    for lane in range(tables.num_lanes):
+        index = {key: i for i, key in enumerate(branch_keys(tables, lane))}
+        for (t, d), k in np.ndenumerate(tables.kind[:, :, lane]):
+            if k != IDLE:
+                action[t, d, lane] = index[(int(k), int(tables.stage[t, d, lane]))]
     return (
         action,
         tables.microbatch,
@@ -758,11 +769,6 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         tables.stash_write,
         tables.message_read,
         tables.message_write,
-        weight_action,
-        tables.weight_microbatch,
-        tables.weight_residual_read,
-        tables.weight_kept_read,
-        tables.weight_stash_read,
     )
 
 
@@ -774,10 +780,8 @@ def _run(
 ):
     axis = low.axis_name
     tables = low.tables
-    actions = [_make_action(low, kind, stage) for kind, stage in branch_keys(tables)[1:]]
-    weight_actions = [
-        _make_action(low, BACKWARD_WEIGHT, stage) for stage in weight_lane_stages(tables)
-    ]
+    lane_keys = [branch_keys(tables, lane)[1:] for lane in range(tables.num_lanes)]
+    made = {key: _make_action(low, *key) for key in sorted(set().union(*lane_keys))}
     xs = tuple(jnp.asarray(x) for x in _tick_inputs(low))
     num_micro = low.schedule.num_microbatches
     loss_aval = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals[0]
@@ -805,21 +809,7 @@ def _run(
         def tick(carry, x):
             residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
-             msg_read, msg_write, w_code, w_micro, w_res_read, w_kept_read,
-             w_st_read) = x  # fmt: skip
-            ctx = dict(
-                rows=rows,
-                batch=batch,
-                micro=micro,
-                messages=message_buf,
-                message_read=msg_read,
-                residual_read=res_read,
-                residual_write=res_write,
-                kept_read=kept_read,
-                kept_write=kept_write,
-                stash_read=st_read,
-                stash_write=st_write,
-            )
+             msg_read, msg_write) = x  # fmt: skip
             state = _TickState(
                 residual_buf,
                 kept_buf,
@@ -834,24 +824,30 @@ def _run(
                 ],
                 jnp.zeros((), loss_aval.dtype),
             )
-            # One two-way conditional per action, in sequence (at most one is taken per tick).
-            # Unlike one multi-way switch, this keeps the buffers in place on XLA.
-            for i, action in enumerate(actions):
-                state = jax.lax.cond(code == i + 1, action, lambda state, ctx: state, state, ctx)
-            # Then the weight lanes: W actions packed into the time the tick lasts anyway.
-            for j in range(tables.num_weight_lanes):
-                lane_ctx = dict(
-                    ctx,
-                    micro=w_micro[j],  # W may read a batch leaf of its microbatch
-                    residual_read=w_res_read[j],
-                    kept_read=w_kept_read[j],
-                    stash_read=w_st_read[j],
-                )
-                for i, action in enumerate(weight_actions):
-                    state = jax.lax.cond(
-                        w_code[j] == i + 1, action, lambda state, ctx: state, state, lane_ctx
+            # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
+            # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
+            # buffers in place on XLA. Kind by kind (``PHASES``), lanes in order within a kind.
+            for kind in sorted(PHASES, key=PHASES.__getitem__):
+                for lane, keys in enumerate(lane_keys):
+                    ctx = dict(
+                        rows=rows,
+                        batch=batch,
+                        micro=micro[lane],
+                        messages=message_buf,
+                        message_read=msg_read[lane],
+                        residual_read=res_read[lane],
+                        residual_write=res_write[lane],
+                        kept_read=kept_read[lane],
+                        kept_write=kept_write[lane],
+                        stash_read=st_read[lane],
+                        stash_write=st_write[lane],
                     )
-            state = _finish_before_sending(state, code)
+                    for i, key in enumerate(keys):
+                        if KIND_NAMES[key[0]] == kind:
+                            state = jax.lax.cond(
+                                code[lane] == i + 1, made[key], lambda s, ctx: s, state, ctx
+                            )
+            state = _finish_before_sending(state, code[0])
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):
                 payload = state.sends[k]

@@ -175,7 +175,7 @@ class Pipeline:
         self.keep_buffers = bool(keep_buffers)
         if pack_ticks not in (None, True, False):
             raise PipelineError(f"pack_ticks={pack_ticks!r}; pass None, True or False")
-        # By default W is packed only by costs the user measured: the static estimates can be
+        # By default ticks are packed only by costs the user measured: the static estimates can be
         # far off on small stages (2-core CPU demo GPT: 5.6% slower packed by them).
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
         self._pools: dict[int, list] = {}  # id(_Built) -> slot pools kept between calls
@@ -218,7 +218,7 @@ class Pipeline:
         on the first device of the mesh on the first microbatch (its data-parallel shard), F,
         B and W alternating, ``repeats`` times after a warm-up; the medians are returned.
         Pass them as ``costs=`` to a new ``zbjax.pipeline``: zb-auto and the DAG schedules plan
-        with them, and the lowering packs W into the spare time of ticks by them
+        with them, and the lowering packs actions into the spare time of ticks by them
         (``pack_ticks``). Over several processes, measure on one and give every process the
         same costs, so that all build the same program.
         """
@@ -337,7 +337,6 @@ class Pipeline:
         costs = _program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
         res_bytes, kept_bytes, stash_bytes, msg_bytes = low.slot_bytes()
-        packed = int((low.tables.weight_stage >= 0).sum())
         lines = [
             f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
             f"{self.num_devices} devices (axis {self.axis_name!r}), "
@@ -351,7 +350,8 @@ class Pipeline:
             schedules.text_grid(built.schedule, sim),
             "",
             f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
-            f"lockstep ticks: {low.tables.num_ticks} ({packed} W packed into weight lanes); "
+            f"lockstep ticks: {low.tables.num_ticks} ({low.tables.num_packed} actions packed "
+            "after another in their tick); "
             f"residual slots per device: "
             f"{low.tables.num_residual_slots} x {res_bytes:,} B; kept until W: "
             f"{low.tables.num_kept_slots} x {kept_bytes:,} B; W stash slots: "
@@ -788,8 +788,9 @@ def pipeline(
     inside a user's ``jax.jit`` the step allocates its slots itself.
 
     ``pack_ticks``: the compiled step advances all devices tick by tick, each tick as long as
-    its slowest action; when packing, a device that would finish early also runs the W actions
-    that fit in the rest of the tick, judged by ``costs``, if that shortens the predicted step,
+    its slowest action; when packing, a device that would finish early also runs its next
+    actions that fit in the rest of the tick (W, and F, B or BW whose inputs arrived at an
+    earlier tick), judged by ``costs``, if that shortens the predicted step,
     and a stage whose B computes nothing (no differentiable input, like the first) runs its
     backward fused where B stood if that does (``pipe.schedule`` is then the fused schedule).
     None (default): pack when ``costs`` is given (times you measured, e.g. each stage's F, B

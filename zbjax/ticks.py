@@ -3,12 +3,12 @@
 The lowering runs a schedule as a loop over *ticks*. At tick ``t`` every device runs at most one
 action in its main lane; an action may run there once every action it depends on ran at a tick
 before ``t`` (data produced during tick ``t`` is moved at the end of tick ``t`` and usable from
-``t + 1``). A tick lasts as long as its slowest device, so when costs are known the devices
-that finish early may also run W actions in *weight lanes* after the main one (``pack_ticks``):
-W sends nothing and needs only its own stage's B, so it fills time the tick spends anyway.
-This module turns a ``Schedule`` into integer tables indexed ``[tick, device]`` (and
-``[tick, device, lane]`` for the weight lanes) and allocates the buffer slots the lowering reads
-and writes. Pure Python and NumPy, no JAX.
+``t + 1``). A tick lasts as long as its slowest device, so when costs are known a device that
+finishes early may run its next actions in *lanes* after the main one (``pack_ticks``): W
+(which sends nothing and needs only its own stage's B), and also F, B or BW whose messages
+arrived at an earlier tick, so the time the tick spends anyway goes to work. This module turns
+a ``Schedule`` into integer tables indexed ``[tick, device, lane]`` and allocates the buffer
+slots the lowering reads and writes. Pure Python and NumPy, no JAX.
 
 Data that outlives a tick sits in slot pools per device, each sized by the schedule's peak
 number of items in flight (interval colouring), never by the number of microbatches:
@@ -51,6 +51,13 @@ KIND_CODES: dict[str, int] = {
     "BW": BACKWARD,
 }
 KIND_NAMES: dict[int, str] = {code: name for name, code in KIND_CODES.items()}
+#: The order in which a device runs the actions of one tick, by kind (lanes in order within a
+#: kind): every F first, then B, W and BW. A tick's actions depend on each other only within a
+#: stage (F before its B or BW, B before its W), which this order keeps, and every slot pool
+#: is then written (F: residual and kept slots, B: stash slots) before it is read, so XLA
+#: updates the pools in place instead of copying one that a later lane would write after an
+#: earlier lane read it.
+PHASES: dict[str, int] = {"F": 0, "B": 1, "W": 2, "BW": 3}
 
 
 @dataclass(frozen=True)
@@ -64,23 +71,21 @@ class MessageEdge:
 
 @dataclass(frozen=True)
 class TickTables:
-    """Integer tables ``[num_ticks, num_devices, ...]`` that drive the lowered tick loop.
+    """Integer tables ``[num_ticks, num_devices, num_lanes, ...]`` that drive the tick loop.
 
-    ``kind``/``stage``/``microbatch`` say which action runs (kind ``IDLE`` = none).
-    ``residual_read`` is the residual slot B/BW read; ``residual_write`` the slot F writes its
-    residuals to; ``kept_read`` the kept slot B/W/BW read and ``kept_write`` the one F writes;
+    Lane 0 of a tick is a device's main action, lanes 1.. the actions packed after it
+    (``pack_ticks``); the device runs them by ``PHASES`` (every F, then B, W, BW; lanes in
+    order within a kind). ``kind``/``stage``/``microbatch`` say which
+    action runs in a lane (kind ``IDLE`` = none). ``residual_read`` is the residual slot B/BW
+    (and W, where it reads residuals) read; ``residual_write`` the slot F writes its residuals
+    to; ``kept_read`` the kept slot B/W/BW read and ``kept_write`` the one F writes;
     ``stash_write`` the stash slot B writes and ``stash_read`` the one W reads (the spare index
-    otherwise). ``message_read[t, d, j]`` is the
-    message slot holding the j-th input of the action: F's in-edges or B/BW's out-edge
-    cotangents, in edge order (the spare slot past the last). ``message_write[t, d, k, j]`` is
-    where device ``d`` stores the j-th message that arrives over ``shifts[k]`` at the end of
-    tick ``t`` (the spare slot when none arrives). A message sent over shift ``k`` goes from
-    device ``d`` to device ``(d + shifts[k]) % num_devices``.
-
-    The weight lanes run after the main action of a tick, in lane order: ``weight_stage[t, d,
-    j]`` is the stage whose W runs in lane ``j`` (-1: none), ``weight_microbatch`` its
-    microbatch, and ``weight_residual_read``/``weight_kept_read``/``weight_stash_read`` the
-    slots it reads (the spare index otherwise). The last axis is empty when nothing is packed.
+    otherwise). ``message_read[t, d, lane, j]`` is the message slot holding the j-th input of
+    the action: F's in-edges or B/BW's out-edge cotangents, in edge order (the spare slot past
+    the last). ``message_write[t, d, k, j]`` is where device ``d`` stores the j-th message that
+    arrives over ``shifts[k]`` at the end of tick ``t`` (the spare slot when none arrives). A
+    message sent over shift ``k`` goes from device ``d`` to device ``(d + shifts[k]) %
+    num_devices``; a device sends at most one message per payload position and tick.
     """
 
     kind: np.ndarray
@@ -102,16 +107,6 @@ class TickTables:
     num_message_slots: int
     edges: tuple[MessageEdge, ...]
     placement: tuple[int, ...]
-    weight_stage: np.ndarray
-    weight_microbatch: np.ndarray
-    weight_residual_read: np.ndarray
-    weight_kept_read: np.ndarray
-    weight_stash_read: np.ndarray
-
-    @property
-    def num_weight_lanes(self) -> int:
-        """Returns the number of weight lanes after the main one (0 when nothing is packed)."""
-        return int(self.weight_stage.shape[2])
 
     @property
     def num_ticks(self) -> int:
@@ -122,6 +117,16 @@ class TickTables:
     def num_devices(self) -> int:
         """Returns the number of pipeline devices (columns of the tables)."""
         return int(self.kind.shape[1])
+
+    @property
+    def num_lanes(self) -> int:
+        """Returns the number of lanes per tick: the main one and those packed after it."""
+        return int(self.kind.shape[2])
+
+    @property
+    def num_packed(self) -> int:
+        """Returns the number of actions that run after another in their tick (lanes 1..)."""
+        return int((self.kind[:, :, 1:] != IDLE).sum())
 
 
 def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
@@ -164,29 +169,65 @@ def _checked_dependencies(schedule: Schedule) -> dict[Action, tuple[Action, ...]
     return deps
 
 
+def _send_shifts(schedule: Schedule) -> dict[tuple[int, bool], frozenset[int]]:
+    """Returns, per (stage, backward), the shifts the messages of its F (backward False) or of
+    its B/BW (True) travel over, every edge counted as carrying cotangents."""
+    shifts: dict[tuple[int, bool], set[int]] = {}
+    num_devices, placement = schedule.num_devices, schedule.placement
+    for src, dst in schedule.edges:
+        forward = (placement[dst] - placement[src]) % num_devices
+        shifts.setdefault((src, False), set()).add(forward)
+        shifts.setdefault((dst, True), set()).add((num_devices - forward) % num_devices)
+    return {key: frozenset(value) for key, value in shifts.items()}
+
+
+def _sends(shifts: dict[tuple[int, bool], frozenset[int]], action: Action) -> frozenset[int]:
+    """Returns the shifts ``action``'s messages travel over (none for W)."""
+    if action.kind == "W":
+        return frozenset()
+    return shifts.get((action.stage, action.kind != "F"), frozenset())
+
+
+#: Kinds of action ``pack_ticks`` may run after a device's main action by default: W only.
+WEIGHT_ONLY = ("W",)
+#: Every kind of action.
+ANY_KIND = ("F", "B", "W", "BW")
+
+
 def pack_ticks(
     schedule: Schedule,
     costs: Costs | None = None,
     slack: float = 0.0,
-    weight_lanes: int = 1,
+    lanes: int = 1,
+    kinds: Sequence[str] = WEIGHT_ONLY,
 ) -> dict[Action, tuple[int, int]]:
-    """Returns (tick, lane) of every action: lockstep ticks, with W actions packed into lanes.
+    """Returns (tick, lane) of every action: lockstep ticks, with more actions packed into lanes.
 
     Each device runs its actions in order. At every tick each device whose next action has all
     its dependencies done at earlier ticks runs it in lane 0 (the main lane). With ``costs``,
     the tick lasts as long as the longest of those actions; a device then also runs its next
-    actions in lanes ``1..weight_lanes`` while they are W actions whose B is done (at an earlier
-    tick or in this tick's main lane) and the device's time in the tick stays within the tick's
-    length times ``1 + slack``. Without ``costs`` nothing is packed (every lane is 0). Raises
-    ``ScheduleError`` when an action is placed on the wrong device, a dependency is never
-    scheduled, or the order deadlocks.
+    actions in lanes ``1..lanes``, while each is of one of ``kinds``, can run (a dependency on
+    another stage done at an earlier tick, since messages move at the end of a tick; one on
+    its own stage done earlier, at an earlier tick or lane), sends over no shift another of
+    the device's actions sends over in this tick (one message per payload position), and the
+    device's time in the tick stays within the tick's length times ``1 + slack``. Without
+    ``costs`` nothing is packed (every lane is 0). Raises ``ScheduleError`` when an action is
+    placed on the wrong device, a dependency is never scheduled, or the order deadlocks.
     """
     deps = _checked_dependencies(schedule)
+    shifts = _send_shifts(schedule)
     num_stages = schedule.num_stages
     position: dict[Action, tuple[int, int]] = {}
     cursor = [0] * schedule.num_devices
     remaining = len(deps)
     tick = 0
+
+    def packable(action: Action) -> bool:
+        return action.kind in kinds and all(
+            dep in position and (position[dep][0] < tick or dep.stage == action.stage)
+            for dep in deps[action]
+        )
+
     while remaining:
         main = {}
         for device, program in enumerate(schedule.actions):
@@ -213,19 +254,21 @@ def pack_ticks(
             for device, action in main.items():
                 program = schedule.actions[device]
                 used = costs.of(action, num_stages)
-                for lane in range(1, weight_lanes + 1):
+                sent = _sends(shifts, action)
+                for lane in range(1, lanes + 1):
                     if cursor[device] == len(program):
                         break
                     nxt = program[cursor[device]]
                     cost = costs.of(nxt, num_stages)
                     if (
-                        nxt.kind != "W"
-                        or Action("B", nxt.stage, nxt.microbatch) not in position
+                        not packable(nxt)
+                        or sent & _sends(shifts, nxt)
                         or used + cost > limit * (1.0 + 1e-9)
                     ):
                         break
                     position[nxt] = (tick, lane)
                     used += cost
+                    sent |= _sends(shifts, nxt)
                     cursor[device] += 1
                     remaining -= 1
         tick += 1
@@ -252,26 +295,31 @@ def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], cost
     return sum(seconds for seconds, _ in lengths) + costs.comm * len(lengths)
 
 
-#: How far past the tick's longest main action ``choose_ticks`` tries letting packed W run.
-PACKING_SLACKS = (0.0, 0.1, 0.2, 0.3, 0.5)
+#: How far past the tick's longest main action ``choose_ticks`` tries letting packed actions run.
+PACKING_SLACKS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0, 1.5, 2.0, 3.0)
+#: The (kinds, lanes) ``choose_ticks`` tries, in order: W in one lane after the main action,
+#: then any action in one lane, then any action in two lanes.
+PACKINGS = ((WEIGHT_ONLY, 1), (ANY_KIND, 1), (ANY_KIND, 2))
 
 
 def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[int, int]]:
     """Returns the packing of ``schedule`` with the least ``tick_time`` under ``costs``.
 
-    Candidates are plain lockstep ticks (no packing) and ``pack_ticks`` with one weight lane
-    and each of ``PACKING_SLACKS``; a candidate must be faster than the earlier ones to win,
-    so plain ticks stay unless packing pays. Without ``costs``: plain lockstep ticks.
+    Candidates are plain lockstep ticks (no packing) and ``pack_ticks`` with each of
+    ``PACKINGS`` and ``PACKING_SLACKS``; a candidate must be faster than the earlier ones to
+    win, so plain ticks stay unless packing pays, and fewer lanes unless more pay. Without
+    ``costs``: plain lockstep ticks.
     """
     best = pack_ticks(schedule)
     if costs is None:
         return best
     best_time = tick_time(schedule, best, costs)
-    for slack in PACKING_SLACKS:
-        candidate = pack_ticks(schedule, costs, slack)
-        seconds = tick_time(schedule, candidate, costs)
-        if seconds < best_time * (1.0 - 1e-9):
-            best, best_time = candidate, seconds
+    for kinds, lanes in PACKINGS:
+        for slack in PACKING_SLACKS:
+            candidate = pack_ticks(schedule, costs, slack, lanes, kinds)
+            seconds = tick_time(schedule, candidate, costs)
+            if seconds < best_time * (1.0 - 1e-9):
+                best, best_time = candidate, seconds
     return best
 
 
@@ -298,8 +346,9 @@ def plan_ticks(
 ) -> tuple[Schedule, dict[Action, tuple[int, int]]]:
     """Returns the schedule to run and its ticks (``choose_ticks``): ``schedule``, or it with
     the backward of the stages in ``empty_backward`` (those whose B computes nothing) fused
-    (``fuse_backward``), whichever runs in less ``tick_time`` under ``costs`` (``schedule`` on
-    a tie, and always without ``costs``)."""
+    (``fuse_backward``) when that runs in no more ``tick_time`` under ``costs`` (fused, such a
+    stage writes no stash for W and frees its residuals at once; always ``schedule`` without
+    ``costs``)."""
     positions = choose_ticks(schedule, costs)
     split = [
         s
@@ -311,7 +360,7 @@ def plan_ticks(
     fused = fuse_backward(schedule, split)
     fused_positions = choose_ticks(fused, costs)
     before = tick_time(schedule, positions, costs)
-    if tick_time(fused, fused_positions, costs) < before * (1.0 - 1e-9):
+    if tick_time(fused, fused_positions, costs) <= before * (1.0 + 1e-9):
         return fused, fused_positions
     return schedule, positions
 
@@ -375,6 +424,38 @@ def _colour_intervals(intervals: Sequence[tuple[int, int, object]]) -> tuple[dic
     return slot_of, num_slots
 
 
+def _check_positions(schedule: Schedule, positions: dict[Action, tuple[int, int]]) -> None:
+    """Raises ``ScheduleError`` unless ``positions`` places every action of ``schedule`` once,
+    each device's in its order, one per (tick, lane), after its data (see ``tick_tables``)."""
+    deps = _checked_dependencies(schedule)
+    if set(positions) != set(deps):
+        extra = sorted(set(positions) ^ set(deps), key=str)[:3]
+        raise ScheduleError(
+            f"positions: {extra} are not the schedule's actions; give every action of the "
+            "schedule a (tick, lane)"
+        )
+    for device, program in enumerate(schedule.actions):
+        places = [positions[a] for a in program]
+        if any(a >= b for a, b in zip(places, places[1:], strict=False)):
+            raise ScheduleError(
+                f"positions: device {device} does not run its actions in the schedule's order "
+                "at distinct (tick, lane); keep each device's order"
+            )
+    for action, (tick, lane) in positions.items():
+        for dep in deps[action]:
+            ready = (
+                positions[dep] < (tick, lane)
+                if dep.stage == action.stage
+                else (positions[dep][0] < tick)
+            )
+            if not ready:
+                raise ScheduleError(
+                    f"positions: {action} at tick {tick}, lane {lane} needs {dep} at "
+                    f"{positions[dep]}, whose data is not there yet (another stage's data moves "
+                    "at the end of its tick); run it at a later tick"
+                )
+
+
 def tick_tables(
     schedule: Schedule,
     edges: Sequence[MessageEdge] | None = None,
@@ -389,9 +470,12 @@ def tick_tables(
     ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (in a kept slot that
     lives until W); by default every stage does. ``residuals_until_weight[s]`` says whether
     stage ``s``'s W reads its residual slot (which then lives until W, else until B); by
-    default none does. ``positions`` gives every action's (tick, lane), W actions packed into
-    weight lanes (``choose_ticks``, ``plan_ticks``); by default every tick runs one action per
-    device (``pack_ticks`` without costs).
+    default none does. ``positions`` gives every action's (tick, lane), actions packed after a
+    tick's main one (``choose_ticks``, ``plan_ticks``); by default every tick runs one action
+    per device (``pack_ticks`` without costs). Raises ``ScheduleError`` when ``positions``
+    runs an action before its data (another stage's at an earlier tick, its own stage's at an
+    earlier tick or lane), puts two actions of a device in one lane, or has a device send two
+    messages over one shift in a tick.
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -404,15 +488,18 @@ def tick_tables(
             )
     if positions is None:
         positions = pack_ticks(schedule)
+    else:
+        _check_positions(schedule, positions)
     num_devices = schedule.num_devices
     placement = schedule.placement
     num_ticks = max((t for t, _ in positions.values()), default=-1) + 1
     num_lanes = max((lane for _, lane in positions.values()), default=0) + 1
     kinds = backward_kinds(schedule)
-    # Slots are coloured on a finer clock than ticks: lanes run in order within a tick, so
-    # time t * num_lanes + lane orders every action of a device. A message is stored after
-    # every lane of the tick it is sent in.
-    tick_of = {a: t * num_lanes + lane for a, (t, lane) in positions.items()}
+    # Slots are coloured on a finer clock than ticks: within a tick a device runs its actions
+    # phase by phase (``PHASES``), so time t * len(PHASES) + phase orders its writes and
+    # reads. A message is stored after the tick's last phase.
+    num_phases = len(PHASES)
+    tick_of = {a: t * num_phases + PHASES[a.kind] for a, (t, _) in positions.items()}
 
     if kept is None:
         kept = (True,) * schedule.num_stages
@@ -463,9 +550,9 @@ def tick_tables(
             reader_kind = kinds.get((reader_stage, action.microbatch), "B") if backward else "F"
             reader = Action(reader_kind, reader_stage, action.microbatch)
             key = (e, action.microbatch, int(backward))
-            sent = tick // num_lanes
+            sent = tick // num_phases
             sends[key] = (sent, shift, position, placement[reader_stage])
-            stored = sent * num_lanes + num_lanes - 1
+            stored = sent * num_phases + num_phases - 1
             message_intervals[placement[reader_stage]].append((stored, tick_of[reader], key))
     message_slots = [_colour_intervals(iv) for iv in message_intervals]
     num_message_slots = max((n for _, n in message_slots), default=0)
@@ -487,7 +574,23 @@ def tick_tables(
         default=0,
     )
 
-    shape = (num_ticks, num_devices)
+    # One message per payload position and tick: two actions of a device that send over the
+    # same shift in one tick would overwrite each other's payload.
+    payload_users: dict[tuple[int, int, int, int], str] = {}
+    for (e, i, backward), (tick, shift, position, reader_device) in sends.items():
+        sender = (reader_device - shift) % num_devices
+        key = (tick, sender, shift, position)
+        what = "cotangents" if backward else "values"
+        message = f"edge {edges[e].src}->{edges[e].dst} {what} of microbatch {i}"
+        if key in payload_users:
+            raise ScheduleError(
+                f"positions: device {sender} sends two messages over shift {shift} at tick "
+                f"{tick} ({payload_users[key]} and {message}); pack "
+                "actions that send over the same shift into different ticks"
+            )
+        payload_users[key] = message
+
+    shape = (num_ticks, num_devices, num_lanes)
     kind = np.zeros(shape, np.int32)
     stage = np.zeros(shape, np.int32)
     microbatch = np.zeros(shape, np.int32)
@@ -498,46 +601,30 @@ def tick_tables(
     stash_read = np.full(shape, num_stash_slots, np.int32)
     stash_write = np.full(shape, num_stash_slots, np.int32)
     message_read = np.full(shape + (max_reads,), num_message_slots, np.int32)
-    message_write = np.full(shape + (len(shifts), max_per_shift), num_message_slots, np.int32)
-    lanes_shape = shape + (num_lanes - 1,)
-    weight_stage = np.full(lanes_shape, -1, np.int32)
-    weight_microbatch = np.zeros(lanes_shape, np.int32)
-    weight_residual_read = np.full(lanes_shape, num_residual_slots, np.int32)
-    weight_kept_read = np.full(lanes_shape, num_kept_slots, np.int32)
-    weight_stash_read = np.full(lanes_shape, num_stash_slots, np.int32)
+    message_write = np.full(
+        (num_ticks, num_devices, len(shifts), max_per_shift), num_message_slots, np.int32
+    )
     for action, (tick, lane) in positions.items():
         s, i = action.stage, action.microbatch
-        d = placement[s]
-        residual = residual_slots[d][0][(s, i)]
-        reads_residual = action.kind != "W" or residuals_until_weight[s]
-        if lane:
-            # A packed W: it reads its kept, stash and (maybe) residual slots, nothing else.
-            at = (tick, d, lane - 1)
-            weight_stage[at] = s
-            weight_microbatch[at] = i
-            if reads_residual:
-                weight_residual_read[at] = residual
-            if kept[s]:
-                weight_kept_read[at] = kept_slots[d][0][(s, i)]
-            weight_stash_read[at] = stash_slots[d][0][(s, i)]
-            continue
-        kind[tick, d] = KIND_CODES[action.kind]
-        stage[tick, d] = s
-        microbatch[tick, d] = i
+        at = (tick, placement[s], lane)
+        kind[at] = KIND_CODES[action.kind]
+        stage[at] = s
+        microbatch[at] = i
+        residual = residual_slots[placement[s]][0][(s, i)]
         if action.kind == "F":
-            residual_write[tick, d] = residual
-        elif reads_residual:
-            residual_read[tick, d] = residual
+            residual_write[at] = residual
+        elif action.kind != "W" or residuals_until_weight[s]:
+            residual_read[at] = residual
         if kept[s]:
-            slot = kept_slots[d][0][(s, i)]
-            (kept_write if action.kind == "F" else kept_read)[tick, d] = slot
+            slot = kept_slots[placement[s]][0][(s, i)]
+            (kept_write if action.kind == "F" else kept_read)[at] = slot
         if action.kind in ("B", "W"):
-            stash = stash_slots[d][0][(s, i)]
-            (stash_write if action.kind == "B" else stash_read)[tick, d] = stash
+            stash = stash_slots[placement[s]][0][(s, i)]
+            (stash_write if action.kind == "B" else stash_read)[at] = stash
         if action.kind != "W":
             backward = action.kind != "F"
             for j, e in enumerate(incoming_messages(edges, s, backward)):
-                message_read[tick, d, j] = message_slots[d][0][(e, i, int(backward))]
+                message_read[at + (j,)] = message_slots[placement[s]][0][(e, i, int(backward))]
     for key, (tick, shift, position, reader_device) in sends.items():
         slot = message_slots[reader_device][0][key]
         message_write[tick, reader_device, shift_index[shift], position] = slot
@@ -561,34 +648,20 @@ def tick_tables(
         num_message_slots=num_message_slots,
         edges=edges,
         placement=tuple(placement),
-        weight_stage=weight_stage,
-        weight_microbatch=weight_microbatch,
-        weight_residual_read=weight_residual_read,
-        weight_kept_read=weight_kept_read,
-        weight_stash_read=weight_stash_read,
     )
 
 
 def decode_actions(tables: TickTables) -> tuple[tuple[Action, ...], ...]:
-    """Returns each device's actions in the order the tables run them (idle ticks skipped,
-    packed W actions after their tick's main action)."""
+    """Returns each device's actions in the order the tables run them (idle lanes skipped,
+    a tick's lanes in order)."""
     programs = []
     for d in range(tables.num_devices):
         program = []
         for t in range(tables.num_ticks):
-            code = int(tables.kind[t, d])
-            if code != IDLE:
-                program.append(
-                    Action(KIND_NAMES[code], int(tables.stage[t, d]), int(tables.microbatch[t, d]))
-                )
-            for j in range(tables.num_weight_lanes):
-                if tables.weight_stage[t, d, j] >= 0:
-                    program.append(
-                        Action(
-                            "W",
-                            int(tables.weight_stage[t, d, j]),
-                            int(tables.weight_microbatch[t, d, j]),
-                        )
-                    )
+            for lane in range(tables.num_lanes):
+                code = int(tables.kind[t, d, lane])
+                if code != IDLE:
+                    s, i = int(tables.stage[t, d, lane]), int(tables.microbatch[t, d, lane])
+                    program.append(Action(KIND_NAMES[code], s, i))
         programs.append(tuple(program))
     return tuple(programs)
