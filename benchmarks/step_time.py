@@ -52,6 +52,8 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
 TARGET = "zb-h2"
 TARGET_TOLERANCE = 0.05
 FRESH = f"{TARGET}, keep_buffers=False"
+#: Untimed rounds of every variant after the compiles (``alternate``).
+WARMUP_ROUNDS = 3
 UNPACKED = f"{TARGET}, pack_ticks=False"
 
 
@@ -252,10 +254,14 @@ def predict(
 
 def alternate(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
     """Returns per-variant step times over ``rounds``; each round runs every variant once,
-    starting at a different variant each round so load drift hits all alike."""
-    for fn in variants.values():  # compile and warm up
+    starting at a different variant each round so load drift hits all alike. Every variant is
+    compiled first, then ``WARMUP_ROUNDS`` rounds run untimed (the first steps after the
+    compiles ran slower, over processes up to 1.3x, than the same steps later)."""
+    for fn in variants.values():  # compile
         jax.block_until_ready(fn())
-        jax.block_until_ready(fn())
+    for _ in range(WARMUP_ROUNDS):
+        for fn in variants.values():
+            jax.block_until_ready(fn())
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
@@ -281,7 +287,7 @@ def pipeline_step(
     costs: schedules.Costs | None = None,
     pack_ticks: bool = True,
 ) -> Callable[[], Any]:
-    """Returns a thunk running one pipelined step of ``schedule`` on staged params (its W
+    """Returns a thunk running one pipelined step of ``schedule`` on staged params (its
     ticks packed by ``costs`` unless ``pack_ticks`` is False)."""
     pipe = zbjax.pipeline(
         loss_fn,
