@@ -256,7 +256,7 @@ def alternate(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, 
     """Returns per-variant step times over ``rounds``; each round runs every variant once,
     starting at a different variant each round so load drift hits all alike. Every variant is
     compiled first, then ``WARMUP_ROUNDS`` rounds run untimed (the first steps after the
-    compiles ran slower, over processes up to 1.3x, than the same steps later)."""
+    compiles ran 1.2-1.4x slower over processes than the same steps timed later)."""
     for fn in variants.values():  # compile
         jax.block_until_ready(fn())
     for _ in range(WARMUP_ROUNDS):

@@ -27,7 +27,7 @@ GPT_CFG = gpt.GPTConfig(
 )
 
 
-#: Stage costs under which zb-h2 on 2 stages packs W into weight lanes (a first stage with a
+#: Stage costs under which zb-h2 on 2 stages packs actions into lanes (a first stage with a
 #: nearly free B and a long W, as measured on the MLP).
 PACKING_COSTS = zbjax.schedules.Costs(f=(1.84, 2.14), b=(0.09, 1.81), w=(2.60, 1.77))
 

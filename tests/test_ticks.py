@@ -378,7 +378,7 @@ def test_chosen_packing_is_never_predicted_slower_than_lockstep(name, costs):
 def test_packing_brings_zb_h2_lockstep_time_to_the_simulated_makespan():
     # The paper's 1.5B profile (without its comm, which ticks pay once each and the simulator
     # only on cross-device waits) on 4 devices, m = 8: one action per tick takes 6.8% longer
-    # than the simulated step; W packed into the ticks' spare time closes the gap to 0.6%.
+    # than the simulated step; packing the ticks' spare time closes the gap to under 1 %.
     costs = schedules.Costs(f=18522.0, b=18086.0, w=9337.0)
     schedule = build("zb-h2", 4, 8)
     makespan = schedules.simulate(schedule, costs).makespan
