@@ -323,6 +323,28 @@ def test_fan_out_and_fan_in_edges_route_activations_and_cotangents(placement, sp
     assert_matches(result, loss_fn, params, batch)
 
 
+def test_packed_ticks_route_a_diamonds_messages_and_equal_value_and_grad():
+    # Stages 1 and 2 share device 1 and both send cotangents to stage 0 over the same shift:
+    # packing puts B and W after short actions, but never both Bs in one tick.
+    specs, edges, params, loss_fn = dag_model()
+    batch = make_batch(3)
+    graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
+    schedule = dag_schedule((0, 1, 1, 0), 3, split_backward=True)
+    costs = schedules.Costs((1.0, 2.0, 1.0, 1.5), (0.1, 1.0, 2.0, 1.0), (1.0, 1.0, 0.5, 1.0))
+    low, result = run_lowered(graph, programs, schedule, params, batch, costs)
+    tables = low.tables
+    packed = {KIND_NAMES[int(k)] for k in tables.kind[:, :, 1:].ravel() if k != IDLE}
+    assert "B" in packed
+    for t in range(tables.num_ticks):
+        backward_stages = [
+            int(tables.stage[t, 1, lane])
+            for lane in range(tables.num_lanes)
+            if KIND_NAMES.get(int(tables.kind[t, 1, lane])) == "B"
+        ]
+        assert len(backward_stages) <= 1, (t, backward_stages)
+    assert_matches(result, loss_fn, params, batch)
+
+
 def test_lowered_scan_inputs_read_back_as_the_schedule_action_for_action():
     stages, micro = 8, 8
     specs, edges, params, _ = chain_mlp(stages)
