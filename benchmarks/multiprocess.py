@@ -72,11 +72,6 @@ def worker(
     costs = step_time.measured_costs(
         loss_fn, jax.device_put(params, local), jax.device_put(micro, local), 2 if smoke else 30
     )
-    # The pipelines pack their ticks by these costs, and every process must build the same program:
-    # all take process 0's.
-    shared = multihost_utils.broadcast_one_to_all(np.array([costs.f, costs.b, costs.w]))
-    costs = schedules.Costs(*(tuple(float(x) for x in row) for row in np.asarray(shared)))
-    result: dict = {"costs_ms": [[1e3 * x for x in c] for c in (costs.f, costs.b, costs.w)]}
     # One tick's message: a microbatch's activations, ppermuted both ways, 100 times in a scan.
     sharding = NamedSharding(mesh, PartitionSpec(step_time.AXIS))
     message = jax.device_put(
@@ -98,7 +93,19 @@ def worker(
         began = time.perf_counter()
         jax.block_until_ready(permute(message))
         times.append(time.perf_counter() - began)
-    result["ppermute_ms"] = 1e3 * statistics.median(times) / 100
+    exchange = statistics.median(times) / 100
+    # The pipelines plan their ticks by these costs, the exchange as each tick's comm, and
+    # every process must build the same program: all take process 0's.
+    shared = multihost_utils.broadcast_one_to_all(
+        np.array([*costs.f, *costs.b, *costs.w, exchange])
+    )
+    n = len(costs.f)
+    values = [float(x) for x in np.asarray(shared)]
+    costs = schedules.Costs(
+        tuple(values[:n]), tuple(values[n : 2 * n]), tuple(values[2 * n : 3 * n]), values[-1]
+    )
+    result: dict = {"costs_ms": [[1e3 * x for x in c] for c in (costs.f, costs.b, costs.w)]}
+    result["ppermute_ms"] = 1e3 * costs.comm
     result["m"] = {}
     for m in microbatches:
         batch = jax.tree.map(
@@ -195,12 +202,14 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         + f". One tick's `ppermute` of a microbatch's activations (512 kB each way) between the "
         f"processes: {result['ppermute_ms']:.2f} ms. Steps alternate round by round ({rounds} "
         "rounds); step is the median, measured / 1f1b the median of the ratio within a round; "
-        "predicted = the simulator's makespan ratio from the one-core costs; lockstep + "
-        "comm = every tick as long as its busiest device plus one ppermute. The pipelines "
-        "get these costs (`pipeline(costs=...)`) and pack actions into a tick's spare time "
-        "after a short one (W, and F, B or BW whose messages came at an earlier tick) where they "
-        f"say it pays (and run the first stage's backward fused, its B having nothing to "
-        f"compute, where that shortens the ticks); *{UNPACKED[0]}* and *{UNPACKED[1]}* run "
+        "predicted = the simulator's makespan ratio from the one-core costs, the ppermute as "
+        "the delay of every message between the devices; lockstep + comm = every tick as long "
+        "as its busiest device plus one ppermute. The pipelines get these costs, the ppermute "
+        "as `comm` (`pipeline(costs=...)`), and pack actions into a tick's spare time after a "
+        "short one (W, and F, B or BW whose messages came at an earlier tick) where they say "
+        "it pays, each tick costing its ppermute (and run the first stage's backward fused, "
+        "its B having nothing to compute, where that shortens the ticks); "
+        f"*{UNPACKED[0]}* and *{UNPACKED[1]}* run "
         "one action per device per tick, as built.",
         "",
         "| m | schedule | step (ms) | measured / 1f1b | predicted / 1f1b | lockstep + comm / 1f1b "

@@ -260,6 +260,11 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     costs = pipe.measure_costs(params, batch, repeats=3)
     for times in (costs.f, costs.b, costs.w):
         assert len(times) == 2 and all(0 < t < 1 for t in times)
+    # Every device is this process's, so one tick's exchange is timed too.
+    assert 0 < costs.comm < 1
+    assert pipe.measure_costs(params, batch, repeats=1, comm=False).comm == 0.0
+    with pytest.raises(zbjax.PipelineError, match="comm='yes'"):
+        pipe.measure_costs(params, batch, comm="yes")
     packed = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4, costs=costs)
     assert_close(packed.value_and_grad(params, batch), reference)
     with pytest.raises(zbjax.PipelineError, match="user layout"):

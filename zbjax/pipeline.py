@@ -63,7 +63,7 @@ from zbjax.params import (
     unstage_leaves,
 )
 from zbjax.partition import partition, stage_summary
-from zbjax.profile import measure_stage_costs
+from zbjax.profile import measure_exchange, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
@@ -210,18 +210,31 @@ class Pipeline:
         return built.step.lower(params, batch, key)
 
     def measure_costs(
-        self, params: Any, batch: Any, key: jax.Array | None = None, repeats: int = 10
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array | None = None,
+        repeats: int = 10,
+        comm: bool | None = None,
     ) -> Costs:
-        """Returns each stage's F, B and W time in seconds, measured on one device.
+        """Returns each stage's F, B and W time in seconds, measured on one device, and one
+        tick's exchange between the devices as ``comm``.
 
         Every stage program of this pipeline (built for ``batch``'s shapes) runs jitted alone
         on the first device of the mesh on the first microbatch (its data-parallel shard), F,
         B and W alternating, ``repeats`` times after a warm-up; the medians are returned.
-        Pass them as ``costs=`` to a new ``zbjax.pipeline``: zb-auto and the DAG schedules plan
-        with them, and the lowering packs actions into the spare time of ticks by them
-        (``pack_ticks``). Over several processes, measure on one and give every process the
-        same costs, so that all build the same program.
+        ``comm``: also time one tick's ``ppermute`` of the messages over the pipeline axis,
+        all devices at once (``profile.measure_exchange``); a collective over the whole mesh.
+        None (default): when every device of the mesh belongs to this process (else ``comm``
+        is 0); True: always, so over several processes every process must call this.
+        Pass the costs as ``costs=`` to a new ``zbjax.pipeline``: zb-auto and the DAG
+        schedules plan with them, and the lowering packs actions into the spare time of
+        ticks by them, weighing fewer ticks against longer ones by ``comm`` (``pack_ticks``).
+        Over several processes, give every process the same costs (process 0's, say), so
+        that all build the same program.
         """
+        if comm not in (None, True, False):
+            raise PipelineError(f"comm={comm!r}; pass None, True or False")
         if isinstance(params, StagedParams):
             raise PipelineError(
                 "measure_costs takes params in the user layout (the stages read the user "
@@ -242,7 +255,12 @@ class Pipeline:
                 first = first[: first.shape[0] // shards]
             micro.append(jax.device_put(first, device))
         param_leaves = [jax.device_put(x, device) for x in jax.tree.leaves(params)]
-        return measure_stage_costs(built.graph, built.programs, param_leaves, micro, repeats)
+        costs = measure_stage_costs(built.graph, built.programs, param_leaves, micro, repeats)
+        if comm is None:
+            comm = all(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+        if not comm:
+            return costs
+        return dataclasses.replace(costs, comm=measure_exchange(built.lowering, repeats))
 
     def stage(self, params: Any, batch: Any = None, key: jax.Array | None = None) -> StagedParams:
         """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``.

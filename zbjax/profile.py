@@ -1,4 +1,5 @@
-"""Measured stage costs: each stage's F, B and W jitted alone and timed on one device.
+"""Measured costs: each stage's F, B and W jitted alone and timed on one device, and one
+tick's exchange of messages between the devices.
 
 The schedules and the lowering's tick packing take per-stage ``Costs``; the static estimates of
 ``cost_model`` are rough on small stages, so ``Pipeline.measure_costs`` times the very stage
@@ -17,8 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
+from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax.lower import slot_layout
+from zbjax.lower import Lowering, slot_layout
 from zbjax.schedules.ir import Costs
 from zbjax.split import forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
@@ -150,3 +152,54 @@ def measure_stage_costs(
         b.append(tb)
         w.append(tw)
     return Costs(tuple(f), tuple(b), tuple(w), 0.0)
+
+
+def measure_exchange(low: Lowering, repeats: int = 10, ticks: int = 20) -> float:
+    """Returns the median seconds of one tick's exchange of ``low``: every shift's payload
+    (``messages_per_shift`` messages of the largest edge's size, per message dtype)
+    ``ppermute``-d over the pipeline axis by all devices at once, as the tick loop does it.
+
+    A loop of ``ticks`` exchanges runs jitted over the whole mesh, ``repeats`` times after a
+    warm-up; the median divided by ``ticks`` is returned. It is a collective over every
+    device of the mesh, so every process of a multi-process mesh must call it.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}; it must be at least 1")
+    tables, axis, mesh = low.tables, low.axis_name, low.mesh
+    num_devices = tables.num_devices
+    moving = [(k, s) for k, s in enumerate(tables.shifts) if s % num_devices]
+    payloads = [
+        [
+            jnp.zeros((num_devices * n * c,), dt)
+            for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
+        ]
+        for n in (tables.messages_per_shift[k] for k, _ in moving)
+    ]
+    if not payloads or not any(p.size for per_shift in payloads for p in per_shift):
+        return 0.0
+
+    def exchange(payloads):
+        def tick(carry, _):
+            out = []
+            for (_, shift), per_shift in zip(moving, carry, strict=True):
+                perm = [(d, (d + shift) % num_devices) for d in range(num_devices)]
+                out.append([jax.lax.ppermute(p, axis, perm) for p in per_shift])
+            return out, None
+
+        return jax.lax.scan(tick, payloads, None, length=ticks)[0]
+
+    spec = [[PartitionSpec(axis)] * len(per_shift) for per_shift in payloads]
+    run = jax.jit(
+        jax.shard_map(
+            exchange,
+            mesh=mesh,
+            in_specs=(spec,),
+            out_specs=spec,
+            axis_names=set(mesh.axis_names),
+            check_vma=False,
+        )
+    )
+    sharding = NamedSharding(mesh, PartitionSpec(axis))
+    payloads = jax.device_put(payloads, sharding)
+    (seconds,) = median_times([(run, (payloads,))], repeats)
+    return seconds / ticks
