@@ -529,38 +529,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _depending_on(
-    buffers: Sequence[jax.Array], sources: Sequence[jax.Array], code: jax.Array
-) -> list[jax.Array]:
-    """Returns ``buffers``, each made to depend on one element of every one of ``sources``.
-
-    The dependency is the buffer's first element selected against the sources' under a
-    predicate that is never true (action codes are not negative), so no value changes; it
-    only orders, for XLA, whatever computed the sources before whatever uses the buffers.
-    """
-    parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in sources if b.size]
-    if not parts:
-        return list(buffers)
-    dep = jnp.sum(jnp.concatenate(parts))
-    never = code < 0
-    out = []
-    for b in buffers:
-        if b.size:
-            corner = (0,) * b.ndim
-            first = jax.lax.slice(b, corner, (1,) * b.ndim)
-            b = jax.lax.dynamic_update_slice(
-                b, jnp.where(never, dep.astype(b.dtype), first), corner
-            )
-        out.append(b)
-    return out
-
-
-def _written(state: _TickState) -> list[jax.Array]:
-    """Returns every buffer an action may write: slot pools, gradients, payloads, loss."""
-    payloads = [p for per_shift in state.sends for p in per_shift]
-    return [*state.residuals, *state.kept, *state.stash, *state.grads, *payloads, state.loss]
-
-
 def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
     """Returns ``state`` with every payload depending on every buffer the tick's actions wrote.
 
@@ -569,9 +537,22 @@ def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
     adds to that tick's action while the other devices wait at the next ``ppermute``. On a
     2-device CPU mesh that made ticks last the sum of both devices' actions instead of the
     larger one. ``optimization_barrier`` does not help: XLA:CPU drops it without ordering.
+    The dependency is one element of each written buffer, selected under a predicate that is
+    never true (action codes are not negative), so the payload's values never change.
     """
-    written = _written(state)
-    sends = [_depending_on(payloads, written, code) for payloads in state.sends]
+    written = [*state.residuals, *state.kept, *state.stash, *state.grads, state.loss]
+    parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in written if b.size]
+    if not parts:
+        return state
+    dep = jnp.sum(jnp.concatenate(parts))
+    never = code < 0
+    sends = [
+        [
+            p.at[:1].set(jnp.where(never, dep.astype(p.dtype), p[:1])) if p.size else p
+            for p in payloads
+        ]
+        for payloads in state.sends
+    ]
     return dataclasses.replace(state, sends=sends)
 
 
@@ -827,25 +808,32 @@ def _run(
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
             # buffers in place on XLA. Kind by kind (``PHASES``), lanes in order within a kind.
+            contexts = [
+                dict(
+                    rows=rows,
+                    batch=batch,
+                    micro=micro[lane],
+                    messages=message_buf,
+                    message_read=msg_read[lane],
+                    residual_read=res_read[lane],
+                    residual_write=res_write[lane],
+                    kept_read=kept_read[lane],
+                    kept_write=kept_write[lane],
+                    stash_read=st_read[lane],
+                    stash_write=st_write[lane],
+                )
+                for lane in range(tables.num_lanes)
+            ]
             for kind in sorted(PHASES, key=PHASES.__getitem__):
                 for lane, keys in enumerate(lane_keys):
-                    ctx = dict(
-                        rows=rows,
-                        batch=batch,
-                        micro=micro[lane],
-                        messages=message_buf,
-                        message_read=msg_read[lane],
-                        residual_read=res_read[lane],
-                        residual_write=res_write[lane],
-                        kept_read=kept_read[lane],
-                        kept_write=kept_write[lane],
-                        stash_read=st_read[lane],
-                        stash_write=st_write[lane],
-                    )
                     for i, key in enumerate(keys):
                         if KIND_NAMES[key[0]] == kind:
                             state = jax.lax.cond(
-                                code[lane] == i + 1, made[key], lambda s, ctx: s, state, ctx
+                                code[lane] == i + 1,
+                                made[key],
+                                lambda state, ctx: state,
+                                state,
+                                contexts[lane],
                             )
             state = _finish_before_sending(state, code[0])
             message_buf = list(message_buf)
