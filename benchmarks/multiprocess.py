@@ -52,13 +52,14 @@ def worker(
     )
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding, PartitionSpec
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import step_time
 
+    import zbjax
     from models import mlp
     from zbjax import schedules
+    from zbjax.profile import measure_exchange
 
     setup = step_time.SMOKE_SETUP if smoke else step_time.Setup()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (step_time.AXIS,))
@@ -72,28 +73,23 @@ def worker(
     costs = step_time.measured_costs(
         loss_fn, jax.device_put(params, local), jax.device_put(micro, local), 2 if smoke else 30
     )
-    # One tick's message: a microbatch's activations, ppermuted both ways, 100 times in a scan.
-    sharding = NamedSharding(mesh, PartitionSpec(step_time.AXIS))
-    message = jax.device_put(
-        np.ones((NUM_PROCESSES * setup.microbatch_rows, setup.width), np.float32), sharding
+    # One tick's exchange as the lowering does it (a microbatch's activations, ppermuted both
+    # ways), timed over 100 ticks in a loop; a collective, so both processes time it at once.
+    probe = zbjax.pipeline(
+        loss_fn,
+        mesh=mesh,
+        axis_name=step_time.AXIS,
+        schedule="1f1b",
+        num_microbatches=microbatches[0],
     )
-
-    def ring(x):
-        def tick(c, _):
-            pairs = [(0, 1), (1, 0)]
-            return jax.lax.ppermute(c * 1.0001, step_time.AXIS, pairs), None
-
-        return jax.lax.scan(tick, x, None, length=100)[0]
-
-    spec = PartitionSpec(step_time.AXIS)
-    permute = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=spec, out_specs=spec))
-    jax.block_until_ready(permute(message))
-    times = []
-    for _ in range(10):
-        began = time.perf_counter()
-        jax.block_until_ready(permute(message))
-        times.append(time.perf_counter() - began)
-    exchange = statistics.median(times) / 100
+    probe.stage(
+        params,
+        jax.tree.map(
+            np.asarray,
+            mlp.make_batch(jax.random.key(1), cfg, microbatches[0] * setup.microbatch_rows),
+        ),
+    )
+    exchange = measure_exchange(probe.lowering, repeats=10, ticks=100)
     # The pipelines plan their ticks by these costs, the exchange as each tick's comm, and
     # every process must build the same program: all take process 0's.
     shared = multihost_utils.broadcast_one_to_all(

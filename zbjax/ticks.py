@@ -169,16 +169,28 @@ def _checked_dependencies(schedule: Schedule) -> dict[Action, tuple[Action, ...]
     return deps
 
 
+def _data_ready(action: Action, dep: Action, dep_at: tuple[int, int], at: tuple[int, int]) -> bool:
+    """Returns whether ``action`` at (tick, lane) ``at`` finds the data of its dependency
+    ``dep`` run at ``dep_at``: another stage's moves at the end of its tick (an earlier tick);
+    its own stage's stays on the device (an earlier tick or lane)."""
+    return dep_at < at if dep.stage == action.stage else dep_at[0] < at[0]
+
+
 def _send_shifts(schedule: Schedule) -> dict[tuple[int, bool], frozenset[int]]:
     """Returns, per (stage, backward), the shifts the messages of its F (backward False) or of
-    its B/BW (True) travel over, every edge counted as carrying cotangents."""
-    shifts: dict[tuple[int, bool], set[int]] = {}
-    num_devices, placement = schedule.num_devices, schedule.placement
-    for src, dst in schedule.edges:
-        forward = (placement[dst] - placement[src]) % num_devices
-        shifts.setdefault((src, False), set()).add(forward)
-        shifts.setdefault((dst, True), set()).add((num_devices - forward) % num_devices)
-    return {key: frozenset(value) for key, value in shifts.items()}
+    its B/BW (True) travel over (``outgoing_messages``), every edge counted as carrying
+    cotangents."""
+    edges = [MessageEdge(src, dst) for src, dst in schedule.edges]
+    return {
+        (stage, backward): frozenset(
+            shift
+            for shift, _, _ in outgoing_messages(
+                edges, schedule.placement, schedule.num_devices, stage, backward
+            )
+        )
+        for stage in range(schedule.num_stages)
+        for backward in (False, True)
+    }
 
 
 def _sends(shifts: dict[tuple[int, bool], frozenset[int]], action: Action) -> frozenset[int]:
@@ -222,9 +234,9 @@ def pack_ticks(
     remaining = len(deps)
     tick = 0
 
-    def packable(action: Action) -> bool:
+    def packable(action: Action, lane: int) -> bool:
         return action.kind in kinds and all(
-            dep in position and (position[dep][0] < tick or dep.stage == action.stage)
+            dep in position and _data_ready(action, dep, position[dep], (tick, lane))
             for dep in deps[action]
         )
 
@@ -261,7 +273,7 @@ def pack_ticks(
                     nxt = program[cursor[device]]
                     cost = costs.of(nxt, num_stages)
                     if (
-                        not packable(nxt)
+                        not packable(nxt, lane)
                         or sent & _sends(shifts, nxt)
                         or used + cost > limit * (1.0 + 1e-9)
                     ):
@@ -443,12 +455,7 @@ def _check_positions(schedule: Schedule, positions: dict[Action, tuple[int, int]
             )
     for action, (tick, lane) in positions.items():
         for dep in deps[action]:
-            ready = (
-                positions[dep] < (tick, lane)
-                if dep.stage == action.stage
-                else (positions[dep][0] < tick)
-            )
-            if not ready:
+            if not _data_ready(action, dep, positions[dep], (tick, lane)):
                 raise ScheduleError(
                     f"positions: {action} at tick {tick}, lane {lane} needs {dep} at "
                     f"{positions[dep]}, whose data is not there yet (another stage's data moves "

@@ -8,6 +8,7 @@ unless the model branches) and, per device, the ordered list of actions that dev
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,15 @@ def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tu
     return values
 
 
+@functools.lru_cache(maxsize=256)
+def _costs_per_stage(costs: Costs, num_stages: int) -> tuple[tuple[float, ...], ...]:
+    return (
+        _per_stage("f", costs.f, num_stages),
+        _per_stage("b", costs.b, num_stages),
+        _per_stage("w", costs.w, num_stages),
+    )
+
+
 @dataclass(frozen=True)
 class Costs:
     """Time of F, B and W per stage and microbatch (scalars or per-stage lists), and comm.
@@ -189,12 +199,9 @@ class Costs:
             raise ScheduleError(f"costs.comm = {self.comm} is negative; it must be >= 0")
 
     def per_stage(self, num_stages: int) -> tuple[tuple[float, ...], ...]:
-        """Returns (f, b, w) as per-stage tuples, checking lengths and signs."""
-        return (
-            _per_stage("f", self.f, num_stages),
-            _per_stage("b", self.b, num_stages),
-            _per_stage("w", self.w, num_stages),
-        )
+        """Returns (f, b, w) as per-stage tuples, checking lengths and signs (once per costs
+        and number of stages: ``of`` runs on every action of every packing tried)."""
+        return _costs_per_stage(self, num_stages)
 
     def of(self, action: Action, num_stages: int) -> float:
         """Returns the duration of ``action``."""
