@@ -14,7 +14,7 @@ import pytest
 
 from zbjax import schedules
 from zbjax.lower import _tick_inputs, branch_keys, lower
-from zbjax.params import stage_leaves, unstage_gradients
+from zbjax.params import stage_leaves, unstage_leaves
 from zbjax.schedules import Action, Schedule
 from zbjax.stages import Edge, Stage, StageGraph, StageProgram
 from zbjax.ticks import IDLE, KIND_NAMES
@@ -185,7 +185,7 @@ def run_lowered(graph, programs, schedule, params, batch, costs=None):
         staged = stage_leaves(low.layout, params)
         micro = [b.reshape(m, b.shape[0] // m, *b.shape[1:]) for b in batch]
         loss, grads = low.step(staged, micro)
-        return loss, unstage_gradients(low.layout, grads)
+        return loss, unstage_leaves(low.layout, grads)
 
     return low, step(params, batch)
 

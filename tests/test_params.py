@@ -3,13 +3,17 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from zbjax.params import (
+    StagedParams,
     extra_copies,
     global_norm,
     pack_stage_gradients,
+    shared_leaves,
     stage_leaves,
     staged_layout,
+    sum_shared_gradients,
     unpack_stage_params,
     unstage_gradients,
     unstage_leaves,
@@ -142,3 +146,32 @@ def test_global_norm_counts_every_param_element_once():
         want = np.sqrt(sum(float(np.sum(np.square(x.astype(np.float32)))) for x in leaves()[:4]))
         want = np.sqrt(want**2 + float(np.sum(np.square(leaves()[5]))))
         np.testing.assert_allclose(float(global_norm(layout, staged)), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "stage_leaves_, placement, rows",
+    [
+        (STAGE_LEAVES, (0, 1, 2, 3), None),  # a leaf tied over two devices
+        (STAGE_LEAVES, (0, 1, 1, 0), None),  # tied on one device, twice
+        (ROW_STAGE_LEAVES, (0, 1, 2), ROW_STAGE_ROWS),  # row ranges that overlap, unread rows
+    ],
+)
+def test_summed_shared_gradients_equal_unstaging_and_staging_again(stage_leaves_, placement, rows):
+    num_devices = max(placement) + 1
+    layout = staged_layout(AVALS, stage_leaves_, placement, num_devices, rows)
+    assert shared_leaves(layout)
+    # Copies that differ, as the stages of a step leave their gradients.
+    raw = stage_leaves(layout, leaves())
+    raw = StagedParams([r * (1 + jnp.arange(r.shape[0])[:, None]) for r in raw.rows], raw.dtypes)
+    want = stage_leaves(layout, unstage_gradients(layout, raw))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), ("pp",))
+    run = jax.shard_map(
+        lambda rs: [r[None] for r in sum_shared_gradients(layout, [r[0] for r in rs], "pp")],
+        mesh=mesh,
+        in_specs=(jax.P("pp"),),
+        out_specs=jax.P("pp"),
+        check_vma=False,  # as the lowering's shard_map runs it
+    )
+    got = jax.jit(run)(list(raw.rows))
+    for a, b in zip(got, want.rows, strict=True):
+        np.testing.assert_array_equal(a, b)

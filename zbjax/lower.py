@@ -41,6 +41,7 @@ from zbjax.params import (
     StagedParams,
     dtype_name,
     staged_layout,
+    sum_shared_gradients,
     unpack_stage_params,
 )
 from zbjax.schedules.ir import Costs, Schedule
@@ -323,6 +324,9 @@ class Lowering:
         pools: Sequence[jax.Array] | None = None,
     ):
         """Returns (mean loss, staged grads) of the pipelined step (call under ``jax.jit``).
+
+        Each device's grads stay in its row; every copy of a tied leaf holds the leaf's whole
+        gradient (``unstage_leaves`` gives the user-layout gradients).
 
         With ``pools`` (from ``new_pools`` or a previous step) the step keeps its residual and
         stash slots in them instead of allocating new ones, and returns (loss, grads, pools):
@@ -870,6 +874,8 @@ def _run(
             # Each data-parallel shard saw an equal part of every microbatch: average.
             loss = jax.lax.pmean(loss, data_axes)
             grads = [jax.lax.pmean(g, data_axes) for g in grads]
+        # Every copy of a tied leaf gets the leaf's whole gradient; the rest stay where they are.
+        grads = sum_shared_gradients(low.layout, grads, axis)
         pools = (*residual_buf, *kept_buf, *stash_buf)
         out_pools = [p[None, None] for p in pools] if given_pools else []
         return loss, [g[None] for g in grads], out_pools

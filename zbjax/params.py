@@ -260,27 +260,99 @@ def unstage_leaves(layout: StagedLayout, staged: StagedParams) -> list[jax.Array
     return out
 
 
+def _tiles(copies: Sequence[tuple[int, LeafSlot]]) -> bool:
+    """Returns whether ``copies`` are row ranges of a leaf that do not overlap, so that every
+    element of the leaf has one copy and its gradient is that copy's."""
+    ranges = sorted(slot.rows for _, slot in copies if slot.rows is not None)
+    disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    return bool(ranges) and len(ranges) == len(copies) and disjoint
+
+
+def _summed_gradient(
+    layout: StagedLayout, staged: StagedParams, copies: Sequence[tuple[int, LeafSlot]]
+) -> jax.Array:
+    """Returns one leaf's gradient: the sum over its ``copies``, a row-range copy adding to
+    its rows."""
+    aval = layout.param_avals[copies[0][1].leaf]
+    total = None
+    for device, slot in copies:
+        value = _slot_value(staged.rows, layout, device, slot)
+        if slot.rows is not None:
+            value = jnp.zeros(aval.shape, aval.dtype).at[slot.rows[0] : slot.rows[1]].set(value)
+        total = value if total is None else total + value
+    return total
+
+
 def unstage_gradients(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
     """Returns flat param gradients from staged ones: the sum over every copy of a leaf (a
     copy of some rows adds to those rows)."""
     out: list = []
-    for leaf, copies in enumerate(_copies_by_leaf(layout)):
-        aval = layout.param_avals[leaf]
-        ranges = sorted(slot.rows for _, slot in copies if slot.rows is not None)
-        disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))
-        if ranges and len(ranges) == len(copies) and disjoint:
+    for copies in _copies_by_leaf(layout):
+        if _tiles(copies):
             # Row ranges that tile the leaf (the unread rest has a zero gradient slot).
             ordered = sorted(copies, key=lambda c: c[1].rows)
             out.append(jnp.concatenate([_slot_value(staged.rows, layout, *c) for c in ordered]))
-            continue
-        total = None
-        for device, slot in copies:
-            value = _slot_value(staged.rows, layout, device, slot)
-            if slot.rows is not None:
-                value = jnp.zeros(aval.shape, aval.dtype).at[slot.rows[0] : slot.rows[1]].set(value)
-            total = value if total is None else total + value
-        out.append(total)
+        else:
+            out.append(_summed_gradient(layout, staged, copies))
     return out
+
+
+def shared_leaves(layout: StagedLayout) -> list[list[tuple[int, LeafSlot]]]:
+    """Returns the copies of every leaf whose gradient needs a sum over copies: tied leaves
+    and overlapping row ranges (a leaf stored once, or in row ranges that tile it, needs none).
+    """
+    return [c for c in _copies_by_leaf(layout) if len(c) > 1 and not _tiles(c)]
+
+
+def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: str) -> list:
+    """Returns a device's gradient ``rows`` with every copy of a ``shared_leaves`` leaf
+    holding the leaf's whole gradient, the sum over its copies. Runs inside the lowering's
+    ``shard_map`` over ``axis`` (which checks no varying axes).
+
+    Each device adds up its own copies of a shared leaf into a leaf-shaped value, one ``psum``
+    per leaf totals them, and each device writes the total back into its copies. Only shared
+    leaves move; every other slot already holds its leaf's gradient. The result equals
+    ``stage_leaves(layout, unstage_gradients(layout, staged))`` row by row.
+    """
+    groups = shared_leaves(layout)
+    if not groups:
+        return list(rows)
+
+    def gather(device: int):
+        def branch(rows):
+            out = []
+            for copies in groups:
+                aval = layout.param_avals[copies[0][1].leaf]
+                total = jnp.zeros(aval.shape, aval.dtype)
+                for _, slot in (c for c in copies if c[0] == device):
+                    k = layout.dtype_index(slot.dtype)
+                    value = rows[k][slot.offset : slot.offset + slot.size].reshape(slot.shape)
+                    value = value.astype(aval.dtype)
+                    rows_at = slice(None) if slot.rows is None else slice(*slot.rows)
+                    total = total.at[rows_at].add(value)
+                out.append(total)
+            return out
+
+        return branch
+
+    def scatter(device: int):
+        def branch(rows, totals):
+            rows = list(rows)
+            for copies, total in zip(groups, totals, strict=True):
+                for _, slot in (c for c in copies if c[0] == device):
+                    k = layout.dtype_index(slot.dtype)
+                    value = jnp.ravel(leading_rows(total, slot.rows)).astype(slot.dtype)
+                    rows[k] = rows[k].at[slot.offset : slot.offset + slot.size].set(value)
+            return rows
+
+        return branch
+
+    # The slots differ by device, so each device runs its own static code (one branch each).
+    index = jax.lax.axis_index(axis)
+    devices = range(layout.num_devices)
+    mine = jax.lax.switch(index, [gather(d) for d in devices], list(rows))
+    totals = [jax.lax.psum(x, axis) for x in mine]
+    return jax.lax.switch(index, [scatter(d) for d in devices], list(rows), totals)
 
 
 def extra_copies(layout: StagedLayout) -> list[tuple[int, LeafSlot, int, int]]:
@@ -313,9 +385,14 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     )
     for device, slot, begin, end in extra_copies(layout):
         if jnp.issubdtype(jnp.dtype(slot.dtype), jnp.inexact):
-            value = _slot_value(staged.rows, layout, device, slot)
-            part = value[begin:end] if slot.shape else value
-            total = total - jnp.sum(jnp.square(part.astype(jnp.float32)))
+            # Sliced along the row only, then picked out by a one-hot sum over devices: rows
+            # sharded over the devices (explicitly so, too) can be reduced over, not sliced.
+            row_elems = slot.size // slot.shape[0] if slot.shape else slot.size
+            lo = slot.offset + begin * row_elems if slot.shape else slot.offset
+            hi = slot.offset + end * row_elems if slot.shape else slot.offset + slot.size
+            part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi].astype(jnp.float32)
+            squares = jnp.sum(jnp.square(part), axis=1)
+            total = total - jnp.sum(squares * np.eye(layout.num_devices, dtype=np.float32)[device])
     return jnp.sqrt(jnp.maximum(total, 0.0))
 
 

@@ -59,7 +59,6 @@ from zbjax.params import (
     StagedParams,
     global_norm,
     stage_leaves,
-    unstage_gradients,
     unstage_leaves,
 )
 from zbjax.partition import partition, stage_summary
@@ -700,11 +699,11 @@ class Pipeline:
                 (loss, grads), pools = low.step(staged, leaves), None
             else:
                 loss, grads, pools = low.step(staged, leaves, pools)
-            grad_leaves = unstage_gradients(low.layout, _replicated(grads, self.mesh))
             if staged_input:
-                # Every copy of a tied leaf gets the summed gradient, so that an optimizer
-                # applied in the staged layout keeps the copies equal.
-                return loss, stage_leaves(low.layout, grad_leaves), pools
+                # Each device keeps its rows (every copy of a tied leaf holds the summed
+                # gradient, so an optimizer applied in the staged layout keeps copies equal).
+                return loss, grads, pools
+            grad_leaves = unstage_leaves(low.layout, _replicated(grads, self.mesh))
             return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves), pools
 
         return step
