@@ -158,7 +158,7 @@ def measure(
         lowering.slot_pool_bytes(),
         tables.num_residual_slots,
         tables.num_kept_slots,
-        tables.num_stash_slots,
+        tables.num_stash_slots if lowering.slot_bytes()[2] else 0,  # none when overlaid
     )
 
 
@@ -316,7 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "largest stage's), from F until B; a kept slot what F stores that W reads too (the "
         "inputs of the weight matmuls), from F until W; a stash slot what B computes for W, "
         "from B until W; slots are counted in lockstep. Where that holds fewer bytes, a stage "
-        "keeps its whole residual slot until W instead of using a kept slot.",
+        "keeps its whole residual slot until W instead of using a kept slot, and B writes W's "
+        "stash over the residuals only B read, at the end of its residual slot (which then "
+        "lives until W), instead of into a stash slot.",
         "",
         table(rows),
         "",

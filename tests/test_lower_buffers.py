@@ -50,17 +50,27 @@ def _compiled_text(
     return pipe.lower(staged, batch).compile().as_text(), pipe
 
 
+#: ``zbjax.lower.SLOT_CANDIDATES`` with W's stash in stash slots only, or over B's residuals only.
+STASH_SLOTS = tuple(c for c in zbjax.lower.SLOT_CANDIDATES if not c[1])
+OVERLAID = tuple(c for c in zbjax.lower.SLOT_CANDIDATES if c[1])
+
+
 @pytest.mark.parametrize(
-    "schedule, model, packed",
+    "schedule, model, packed, slots",
     [
-        ("1f1b", "mlp", False),
-        ("zb-h1", "mlp", False),
-        ("zb-h2", "mlp", False),
-        ("zb-h2", "gpt", False),
-        ("zb-h2", "gpt", True),
+        ("1f1b", "mlp", False, "any"),
+        ("zb-h1", "mlp", False, "any"),
+        ("zb-h2", "mlp", False, "any"),
+        ("zb-h2", "gpt", False, "stash"),
+        ("zb-h2", "gpt", True, "stash"),
+        ("zb-h2", "gpt", False, "overlay"),
+        ("zb-h2", "gpt", True, "overlay"),
     ],
 )
-def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed):
+def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed, slots, monkeypatch):
+    candidates = {"stash": STASH_SLOTS, "overlay": OVERLAID}.get(slots)
+    if candidates:
+        monkeypatch.setattr(zbjax.lower, "SLOT_CANDIDATES", candidates)
     text, pipe = _compiled_text(schedule, 4, model, PACKING_COSTS if packed else None)
     low = pipe.lowering
     tables = low.tables
@@ -75,8 +85,11 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed):
             if c:
                 pools.add(f"[{max(slots, 1)},{c}]")
     assert pools
-    if model == "gpt":
+    if slots == "stash":
         assert tables.num_kept_slots and sum(low.kept_capacity)  # all three pools in use
+        assert tables.num_stash_slots and sum(low.stash_capacity)
+    if slots == "overlay":  # B writes W's stash over its residual slot
+        assert any(low.overlay_capacity) and not any(low.stash_capacity)
     # Copies in the entry computation run once per step (XLA may merge the pools' identical
     # initial values and copy one); the tick loop's body and its branches must copy none.
     loop_text = text[: text.index("\nENTRY ")]
@@ -153,7 +166,7 @@ def test_w_reads_the_residuals_it_needs_where_f_stored_them_and_b_copies_none():
     assert not slot_layout(last, whole=None).weight_reads_residuals
 
 
-def test_the_step_allocates_the_kept_pool_the_tables_count():
+def test_the_step_allocates_the_kept_pool_the_tables_count(monkeypatch):
     # On a 2-stage GPT, zb-h2 keeps more microbatches between F and W than between F and B,
     # so the kept pool (only what W reads, until W) holds fewer bytes than whole residual slots
     # kept until W; the step runs with it and matches value_and_grad.
@@ -163,6 +176,7 @@ def test_the_step_allocates_the_kept_pool_the_tables_count():
     mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
     loss_fn = gpt.make_loss_fn(cfg)
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4)
+    monkeypatch.setattr(zbjax.lower, "SLOT_CANDIDATES", STASH_SLOTS)
     loss, grads = pipe.value_and_grad(params, batch)
     want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
@@ -201,3 +215,26 @@ def test_kept_buffers_give_the_same_step_twice_and_under_jit():
     assert len(kept._pools) == 1
     loss, _ = jax.jit(kept.value_and_grad)(params, batch)  # traced: allocates its own slots
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("costs", [None, PACKING_COSTS])
+def test_w_stash_written_over_b_residuals_gives_value_and_grad(costs, monkeypatch):
+    # B leaves W's stash in its own residual slot, after W's residuals; with packing, W may
+    # read it in the tick B wrote it.
+    params = gpt.init_params(jax.random.key(0), GPT_CFG)
+    batch = gpt.make_batch(jax.random.key(1), GPT_CFG, 8)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    loss_fn = gpt.make_loss_fn(GPT_CFG)
+    monkeypatch.setattr(zbjax.lower, "SLOT_CANDIDATES", OVERLAID)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4, costs=costs)
+    loss, grads = pipe.value_and_grad(pipe.stage(params, batch), batch)
+    low = pipe.lowering
+    assert any(low.overlay_capacity) and not low.slot_bytes()[2]
+    assert (low.tables.num_packed > 0) == (costs is not None)
+    want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        pipe.unstage(grads),
+        want_grads,
+    )

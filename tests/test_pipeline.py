@@ -317,14 +317,6 @@ def test_each_device_holds_only_its_stages_parameters(memory_table):
     assert param_bytes <= 1.10 * largest, (param_bytes, largest)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="target not met: on this GPT zb-h1's slots hold 1.22x 1f1b's bytes (4 x 201 kB "
-    "residual + 4 x 47 kB stash, against 4 x 169 kB + 3 x 33 kB). Until the gradient epilogue "
-    "was removed, both steps' temporaries peaked at 2.54 MB outside the loop, which hid the "
-    "slots. Meeting it needs B's stash written over the residuals only B reads; a first try "
-    "made XLA copy the residual pool every tick",
-)
 def test_zb_h1_activation_memory_is_within_10_percent_of_1f1b(memory_table):
     for m in (8, 64):
         zb = memory_table[("zb-h1", m)][1].temp_size_in_bytes

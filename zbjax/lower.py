@@ -5,7 +5,8 @@ device runs at most one action (F, B, W or BW of one stage). The actions are a s
 two-way ``lax.cond``s, one per (kind, stage), of which the tick's action code selects one; an
 action reads and updates the device's buffers in place: F writes its residuals into a residual
 slot (those only B reads) and a kept slot (those W reads too), B reads both and writes what W
-needs beyond them into a stash slot, W reads the kept and stash slots, W and BW add their
+needs beyond them into a stash slot (or returns it, and the tick writes it over the residuals
+only B read: ``slot_layout``'s overlay), W reads the kept and stash slots, W and BW add their
 weight gradients into the device's gradient row, and F, B and BW put the messages they send into
 the tick's send payloads. Then every payload moves with one ``ppermute`` per distinct device
 shift (one flat operand per dtype) and is stored into message slots of the receiving device
@@ -24,6 +25,7 @@ pipeline axis are data parallel (rows split, gradients averaged).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +160,10 @@ class SlotLayout:
     dtype), or ("param", j) / ("batch", j) for values that merely forward the stage's ``j``-th
     param or batch leaf. ``residuals[i]`` is where B (or BW) finds residual ``i``; ``stash[i]``
     where W finds stash value ``i``. ``residual_sizes``/``kept_sizes``/``stash_sizes`` are the
-    elements used per dtype.
+    elements used per dtype. With ``overlay``, what B stashes ("overlay" sources, offsets into
+    the overlay region) goes into the residual slot's overlay region, its last
+    ``Lowering.overlay_capacity`` elements, past ``weight_residual_sizes`` (the residuals W
+    reads there, first in the slot); ``stash_sizes`` is then the region it needs.
     """
 
     residuals: tuple[tuple[str, Any], ...]
@@ -166,6 +171,8 @@ class SlotLayout:
     residual_sizes: tuple[int, ...]
     kept_sizes: tuple[int, ...]
     stash_sizes: tuple[int, ...]
+    overlay: bool = False
+    weight_residual_sizes: tuple[int, ...] = ()
 
     @property
     def has_kept(self) -> bool:
@@ -175,11 +182,14 @@ class SlotLayout:
     @property
     def weight_reads_residuals(self) -> bool:
         """Returns whether W reads the residual slot (which then lives until W)."""
-        return any(where == "residual" for where, _ in self.stash)
+        return any(where in ("residual", "overlay") for where, _ in self.stash)
 
 
 def slot_layout(
-    program: StageProgram, dtypes: Sequence[str] | None = None, whole: bool | None = False
+    program: StageProgram,
+    dtypes: Sequence[str] | None = None,
+    whole: bool | None = False,
+    overlay: bool = False,
 ) -> SlotLayout:
     """Returns ``program``'s slot layout over per-dtype vectors of ``dtypes`` (by default the
     dtypes of its own residuals and stash).
@@ -195,6 +205,11 @@ def slot_layout(
       has no input cotangent to compute).
     - ``whole=None``: ``True`` when at most ``WHOLE_SLOT_WASTE`` of the stored bytes would be
       held until W for nothing, else ``False``.
+
+    With ``overlay``, what B stashes for W goes into B's own residual slot, over residuals only
+    B read (the slot's overlay region, after W's residuals, which come first), instead of into
+    a stash slot: the slot then lives until W and needs max(residuals, W's residuals plus the
+    stash), not residuals and stash side by side (the paper's M_W replacing M_B after B).
     """
     if dtypes is None:
         dtypes = _union_dtypes([*stored_residual_avals(program), *program.stash_avals])
@@ -207,17 +222,30 @@ def slot_layout(
         unread = sum(_nbytes(a) for j, a in enumerate(stored_avals) if j not in read_by_w)
         whole = bool(read_by_w) and unread <= WHOLE_SLOT_WASTE * sum(map(_nbytes, stored_avals))
     in_kept = [not whole and j in read_by_w for j in range(len(stored_avals))]
-    kept = packing([a for a, k in zip(stored_avals, in_kept, strict=True) if k], dtypes)
-    rest = packing([a for a, k in zip(stored_avals, in_kept, strict=True) if not k], dtypes)
-    placed = iter(kept.items), iter(rest.items)
-    stored = [("kept", next(placed[0])) if k else ("residual", next(placed[1])) for k in in_kept]
-    residuals = tuple(stored[j] if where == "slot" else (where, j) for where, j in sources)
+    kept_index = [j for j, k in enumerate(in_kept) if k]
+    # W's residuals first, so that an overlaid stash goes after them, over B's.
+    rest_index = [j for j, k in enumerate(in_kept) if not k]
+    rest_index.sort(key=lambda j: j not in read_by_w)
+    kept = packing([stored_avals[j] for j in kept_index], dtypes)
+    rest = packing([stored_avals[j] for j in rest_index], dtypes)
+    item = {
+        **{j: ("kept", i) for j, i in zip(kept_index, kept.items, strict=True)},
+        **{j: ("residual", i) for j, i in zip(rest_index, rest.items, strict=True)},
+    }
+    residuals = tuple(item[j] if where == "slot" else (where, j) for where, j in sources)
     new = packing(
         [a for a, f in zip(program.stash_avals, forwarded, strict=True) if f is None], dtypes
     )
+    weight_sizes = [0] * len(dtypes)
+    for j, (k, offset, shape) in zip(rest_index, rest.items, strict=True):
+        if j in read_by_w:
+            weight_sizes[k] = max(weight_sizes[k], offset + int(np.prod(shape, dtype=np.int64)))
     written = iter(new.items)
-    stash = tuple(residuals[f] if f is not None else ("stash", next(written)) for f in forwarded)
-    return SlotLayout(residuals, stash, rest.sizes, kept.sizes, new.sizes)
+    where_new = "overlay" if overlay else "stash"
+    stash = tuple(residuals[f] if f is not None else (where_new, next(written)) for f in forwarded)
+    return SlotLayout(
+        residuals, stash, rest.sizes, kept.sizes, new.sizes, overlay, tuple(weight_sizes)
+    )
 
 
 #: ``slot_layout(whole=None)`` keeps a stage's whole residual slot until W when at most this
@@ -257,6 +285,9 @@ class Lowering:
     residual_capacity: tuple[int, ...]
     kept_capacity: tuple[int, ...]
     stash_capacity: tuple[int, ...]
+    #: Per dtype, the residual slot's last elements where B writes W's stash over residuals
+    #: only B read (``SlotLayout.overlay``); zero when the stash has slots of its own.
+    overlay_capacity: tuple[int, ...]
     message_dtypes: tuple[str, ...]
     message_capacity: tuple[int, ...]
 
@@ -268,6 +299,10 @@ class Lowering:
             _slot_bytes(self.slot_dtypes, self.stash_capacity),
             _slot_bytes(self.message_dtypes, self.message_capacity),
         )
+
+    def overlay_bytes(self) -> int:
+        """Returns the bytes of a residual slot's overlay region (B writes W's stash there)."""
+        return _slot_bytes(self.slot_dtypes, self.overlay_capacity)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -370,9 +405,10 @@ def lower(
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
-    slot_layouts, tables, (residual_capacity, kept_capacity, stash_capacity) = _slots_and_tables(
+    slot_layouts, tables, capacities = _slots_and_tables(
         programs, slot_dtypes, schedule, graph, positions
     )
+    residual_capacity, kept_capacity, stash_capacity, overlay_capacity = capacities
     layout = staged_layout(
         graph.param_avals,
         [stage.param_leaves for stage in graph.stages],
@@ -399,6 +435,7 @@ def lower(
         residual_capacity=residual_capacity,
         kept_capacity=kept_capacity,
         stash_capacity=stash_capacity,
+        overlay_capacity=overlay_capacity,
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
     )
@@ -407,7 +444,8 @@ def lower(
 def _capacities(
     slot_layouts: Sequence[SlotLayout], tables: TickTables
 ) -> tuple[tuple[int, ...], ...]:
-    """Returns the per-dtype sizes of one residual, one kept and one stash slot."""
+    """Returns the per-dtype sizes of one residual, one kept and one stash slot and of the
+    residual slot's overlay region (``SlotLayout.overlay``; no stash slots then)."""
     # Stash slots are sized over the stages that run a separate W in this schedule.
     split_stages = {
         int(s)
@@ -421,7 +459,19 @@ def _capacities(
         max((slot_layouts[s].stash_sizes[k] for s in split_stages), default=0)
         for k in range(num_dtypes)
     )
-    return residual, kept, stash
+    none, split = (0,) * num_dtypes, sorted(split_stages)
+    if not any(s.overlay for s in slot_layouts):
+        return residual, kept, stash, none
+    # The overlay region ends the slot, after every split stage's own W residuals.
+    residual = tuple(
+        max([residual[k], *(slot_layouts[s].weight_residual_sizes[k] + stash[k] for s in split)])
+        for k in range(num_dtypes)
+    )
+    return residual, kept, none, stash
+
+
+#: The (``whole``, ``overlay``) of ``slot_layout`` that ``_slots_and_tables`` weighs.
+SLOT_CANDIDATES = tuple(itertools.product((False, True, None), (False, True)))
 
 
 def _slots_and_tables(
@@ -431,18 +481,19 @@ def _slots_and_tables(
     graph: StageGraph,
     positions: dict | None = None,
 ) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...]]:
-    """Returns the slot layouts, tick tables and (residual, kept, stash) slot sizes per dtype
-    that hold the fewest bytes of slots.
+    """Returns the slot layouts, tick tables and (residual, kept, stash, overlay region) slot
+    sizes per dtype that hold the fewest bytes of slots.
 
     Pools are as large as the largest stage's values times the most slots in flight on any
-    device, so the best place for what W reads depends on the schedule. Three candidates are
-    counted (``slot_layout``'s ``whole``): every stage keeps it in kept slots, every stage keeps
-    its whole residual slot until W, or each stage decides by how much of its slot W reads.
+    device, so the best place for what W reads depends on the schedule. Six candidates are
+    counted (``slot_layout``'s ``whole`` and ``overlay``): every stage keeps it in kept slots,
+    every stage keeps its whole residual slot until W, or each stage decides by how much of its
+    slot W reads; each with B's stash in stash slots or over B's residuals in the residual slot.
     A tie keeps the earlier candidate.
     """
     best = None
-    for whole in (False, True, None):
-        layouts = tuple(slot_layout(p, dtypes, whole) for p in programs)
+    for whole, overlay in SLOT_CANDIDATES:
+        layouts = tuple(slot_layout(p, dtypes, whole, overlay) for p in programs)
         tables = tick_tables(
             schedule,
             message_edges(graph),
@@ -452,7 +503,8 @@ def _slots_and_tables(
         )
         capacities = _capacities(layouts, tables)
         counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
-        size = sum(_slot_bytes(dtypes, c) * n for c, n in zip(capacities, counts, strict=True))
+        pools = zip(capacities[:3], counts, strict=True)
+        size = sum(_slot_bytes(dtypes, c) * n for c, n in pools)
         if best is None or size < best[0]:
             best = (size, layouts, tables, capacities)
     return best[1:]
@@ -524,13 +576,43 @@ class _TickState:
     grads: list  # per param dtype, the device's gradient row
     sends: list  # per shift, per message dtype, the payload to send
     loss: jax.Array
+    overlay: list  # per slot dtype, what B stashes over its residuals (overlay capacity)
 
 
 jax.tree_util.register_dataclass(
     _TickState,
-    data_fields=["residuals", "kept", "stash", "grads", "sends", "loss"],
+    data_fields=["residuals", "kept", "stash", "grads", "sends", "loss", "overlay"],
     meta_fields=[],
 )
+
+
+def _write_overlay(
+    low: Lowering, state: _TickState, keys: Sequence, code: jax.Array, slot: jax.Array
+) -> _TickState:
+    """Returns ``state`` with what a lane's B stashed written over its residual slot's overlay
+    region, or that region written back unchanged when the lane ran no such B.
+
+    B's branch only reads the residual pool and returns the stash as a small payload: a
+    branch that read and wrote the pool would make XLA copy it every tick. This write, outside
+    every branch, reads and writes one region of one slot in place (a lane running no B reads
+    a clamped, unused slot index and writes it back as it was).
+    """
+    codes = [
+        i + 1
+        for i, (kind, stage) in enumerate(keys)
+        if kind == BACKWARD_INPUT and low.slot_layouts[stage].overlay
+    ]
+    if not codes:
+        return state
+    ran = jnp.any(code == jnp.asarray(codes, code.dtype))
+    residuals = list(state.residuals)
+    for k, size in enumerate(low.overlay_capacity):
+        if size:
+            start = (slot, low.residual_capacity[k] - size)
+            old = jax.lax.dynamic_slice(residuals[k], start, (1, size))
+            new = jnp.where(ran, state.overlay[k][None], old)
+            residuals[k] = jax.lax.dynamic_update_slice(residuals[k], new, start)
+    return dataclasses.replace(state, residuals=residuals)
 
 
 def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
@@ -565,7 +647,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
 
     It takes the tick state and returns it updated in place: F writes its residuals into a
     residual slot and a kept slot, B reads them and writes the rest of W's stash into a stash
-    slot, W reads the kept and stash slots, W and BW add their weight gradient into the
+    slot (or, overlaid, into the state's payload that ``_write_overlay`` puts over its residual
+    slot), W reads the kept and stash slots, W and BW add their weight gradient into the
     gradient row; F, B and BW put the messages they send into the
     send payloads. No action reads and writes the same slot pool, which lets XLA keep every
     buffer in place through the conditional that runs the action (a buffer read and written
@@ -580,6 +663,12 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     program = low.programs[stage_index]
     name = f"{_KIND_SCOPE[kind]} s{stage_index}"
     slots = low.slot_layouts[stage_index]
+
+    def overlay_item(item):
+        # Offsets into the overlay region, which ends the residual slot.
+        k, offset, shape = item
+        return k, low.residual_capacity[k] - low.overlay_capacity[k] + offset, shape
+
     edge_packing = {e: packing(graph.edges[e].values, msg_dtypes) for e in range(len(edges))}
     reads = incoming_messages(edges, stage_index, kind != FORWARD)
     sent = outgoing_messages(
@@ -642,7 +731,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     def action(state: _TickState, ctx: dict) -> _TickState:
         residual_buf, kept_buf = list(state.residuals), list(state.kept)
         stash_buf, grads = list(state.stash), list(state.grads)
-        sends, loss = state.sends, state.loss
+        sends, loss, overlay = state.sends, state.loss, list(state.overlay)
 
         def batch_mb(j):
             leaf = ctx["batch"][stage.batch_leaves[j]]
@@ -661,7 +750,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
             }
             out = []
             for where, what in sources:
-                if where in pools:
+                if where == "overlay":
+                    out.append(_read_slot(residual_buf, ctx["residual_read"], overlay_item(what)))
+                elif where in pools:
                     out.append(_read_slot(*pools[where], what))
                 elif where == "param":
                     out.append(params[what])
@@ -699,12 +790,16 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     for (where, item), value in zip(slots.stash, rest, strict=True):
                         if where == "stash":
                             _write_slot(stash_buf, ctx["stash_write"], item, value)
+                        elif where == "overlay":  # written over the residual slot later
+                            k, offset, _ = item
+                            flat = jnp.ravel(value).astype(overlay[k].dtype)
+                            overlay[k] = jax.lax.dynamic_update_slice(overlay[k], flat, (offset,))
                 else:
                     _add_gradients(layout, stage_index, grads, rest)
             else:  # BACKWARD_WEIGHT
                 param_cts = jaxpr_as_fun(program.backward_weight)(*resolve(slots.stash))
                 _add_gradients(layout, stage_index, grads, param_cts)
-        return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss)
+        return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss, overlay)
 
     return action
 
@@ -808,6 +903,10 @@ def _run(
                     for n in tables.messages_per_shift
                 ],
                 jnp.zeros((), loss_aval.dtype),
+                [
+                    jnp.zeros(c, dt)
+                    for dt, c in zip(low.slot_dtypes, low.overlay_capacity, strict=True)
+                ],
             )
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
@@ -839,6 +938,8 @@ def _run(
                                 state,
                                 contexts[lane],
                             )
+                    if kind == "B" and any(low.overlay_capacity):
+                        state = _write_overlay(low, state, keys, code[lane], res_read[lane])
             state = _finish_before_sending(state, code[0])
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):

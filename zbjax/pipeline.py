@@ -354,6 +354,7 @@ class Pipeline:
         costs = _program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
         res_bytes, kept_bytes, stash_bytes, msg_bytes = low.slot_bytes()
+        overlay_bytes = low.overlay_bytes()
         lines = [
             f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
             f"{self.num_devices} devices (axis {self.axis_name!r}), "
@@ -371,9 +372,13 @@ class Pipeline:
             "after another in their tick); "
             f"residual slots per device: "
             f"{low.tables.num_residual_slots} x {res_bytes:,} B; kept until W: "
-            f"{low.tables.num_kept_slots} x {kept_bytes:,} B; W stash slots: "
-            f"{low.tables.num_stash_slots} x {stash_bytes:,} B; message slots: "
-            f"{low.tables.num_message_slots} x {msg_bytes:,} B",
+            f"{low.tables.num_kept_slots} x {kept_bytes:,} B; "
+            + (
+                f"W stash: written by B over its residual slot ({overlay_bytes:,} B of it)"
+                if overlay_bytes
+                else f"W stash slots: {low.tables.num_stash_slots} x {stash_bytes:,} B"
+            )
+            + f"; message slots: {low.tables.num_message_slots} x {msg_bytes:,} B",
             f"staged params per device: {low.layout.bytes_per_device():,} B",
         ]
         if self._last_inputs is not None:
