@@ -470,6 +470,11 @@ def _capacities(
     return residual, kept, none, stash
 
 
+#: ``_slots_and_tables`` overlays W's stash on B's residuals only when that saves at least this
+#: share of the slot bytes: B writes the stash twice then, which made zb-h2 on the pinned-process
+#: MLP (``benchmarks/multiprocess.py``) 12-13 % slower for 7 % fewer bytes.
+OVERLAY_MIN_SAVING = 0.1
+
 #: The (``whole``, ``overlay``) of ``slot_layout`` that ``_slots_and_tables`` weighs.
 SLOT_CANDIDATES = tuple(itertools.product((False, True, None), (False, True)))
 
@@ -489,9 +494,11 @@ def _slots_and_tables(
     counted (``slot_layout``'s ``whole`` and ``overlay``): every stage keeps it in kept slots,
     every stage keeps its whole residual slot until W, or each stage decides by how much of its
     slot W reads; each with B's stash in stash slots or over B's residuals in the residual slot.
-    A tie keeps the earlier candidate.
+    A tie keeps the earlier candidate. An overlaid stash is taken only when it holds at least
+    ``OVERLAY_MIN_SAVING`` fewer bytes than the best layout with stash slots: B then writes its
+    stash twice (into its payload, then over the slot).
     """
-    best = None
+    best: dict[bool, tuple] = {}
     for whole, overlay in SLOT_CANDIDATES:
         layouts = tuple(slot_layout(p, dtypes, whole, overlay) for p in programs)
         tables = tick_tables(
@@ -505,9 +512,12 @@ def _slots_and_tables(
         counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
         pools = zip(capacities[:3], counts, strict=True)
         size = sum(_slot_bytes(dtypes, c) * n for c, n in pools)
-        if best is None or size < best[0]:
-            best = (size, layouts, tables, capacities)
-    return best[1:]
+        if overlay not in best or size < best[overlay][0]:
+            best[overlay] = (size, layouts, tables, capacities)
+    stash, overlaid = best.get(False), best.get(True)
+    if stash is None or (overlaid and overlaid[0] <= (1 - OVERLAY_MIN_SAVING) * stash[0]):
+        return overlaid[1:]
+    return stash[1:]
 
 
 def residual_sources(program: StageProgram) -> tuple[tuple[str, int], ...]:
@@ -590,12 +600,11 @@ def _write_overlay(
     low: Lowering, state: _TickState, keys: Sequence, code: jax.Array, slot: jax.Array
 ) -> _TickState:
     """Returns ``state`` with what a lane's B stashed written over its residual slot's overlay
-    region, or that region written back unchanged when the lane ran no such B.
+    region, when the lane ran such a B.
 
     B's branch only reads the residual pool and returns the stash as a small payload: a
-    branch that read and wrote the pool would make XLA copy it every tick. This write, outside
-    every branch, reads and writes one region of one slot in place (a lane running no B reads
-    a clamped, unused slot index and writes it back as it was).
+    branch that read and wrote the pool would make XLA copy it every tick. This conditional
+    only writes the pool, as F's does, which XLA does in place.
     """
     codes = [
         i + 1
@@ -604,15 +613,19 @@ def _write_overlay(
     ]
     if not codes:
         return state
+
+    def write(state: _TickState) -> _TickState:
+        residuals = list(state.residuals)
+        for k, size in enumerate(low.overlay_capacity):
+            if size:
+                start = (slot, low.residual_capacity[k] - size)
+                residuals[k] = jax.lax.dynamic_update_slice(
+                    residuals[k], state.overlay[k][None], start
+                )
+        return dataclasses.replace(state, residuals=residuals)
+
     ran = jnp.any(code == jnp.asarray(codes, code.dtype))
-    residuals = list(state.residuals)
-    for k, size in enumerate(low.overlay_capacity):
-        if size:
-            start = (slot, low.residual_capacity[k] - size)
-            old = jax.lax.dynamic_slice(residuals[k], start, (1, size))
-            new = jnp.where(ran, state.overlay[k][None], old)
-            residuals[k] = jax.lax.dynamic_update_slice(residuals[k], new, start)
-    return dataclasses.replace(state, residuals=residuals)
+    return jax.lax.cond(ran, write, lambda state: state, state)
 
 
 def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
