@@ -171,8 +171,12 @@ class SlotLayout:
     residual_sizes: tuple[int, ...]
     kept_sizes: tuple[int, ...]
     stash_sizes: tuple[int, ...]
-    overlay: bool = False
     weight_residual_sizes: tuple[int, ...] = ()
+
+    @property
+    def overlay(self) -> bool:
+        """Returns whether B writes W's stash over its residual slot ("overlay" sources)."""
+        return any(where == "overlay" for where, _ in self.stash)
 
     @property
     def has_kept(self) -> bool:
@@ -243,9 +247,7 @@ def slot_layout(
     written = iter(new.items)
     where_new = "overlay" if overlay else "stash"
     stash = tuple(residuals[f] if f is not None else (where_new, next(written)) for f in forwarded)
-    return SlotLayout(
-        residuals, stash, rest.sizes, kept.sizes, new.sizes, overlay, tuple(weight_sizes)
-    )
+    return SlotLayout(residuals, stash, rest.sizes, kept.sizes, new.sizes, tuple(weight_sizes))
 
 
 #: ``slot_layout(whole=None)`` keeps a stage's whole residual slot until W when at most this
@@ -499,7 +501,10 @@ def _slots_and_tables(
     stash twice (into its payload, then over the slot).
     """
     best: dict[bool, tuple] = {}
+    separate_w = any(a.kind == "W" for _, _, a in schedule.all_actions())
     for whole, overlay in SLOT_CANDIDATES:
+        if overlay and not separate_w:
+            continue  # no B writes a stash: nothing to overlay
         layouts = tuple(slot_layout(p, dtypes, whole, overlay) for p in programs)
         tables = tick_tables(
             schedule,
@@ -515,7 +520,7 @@ def _slots_and_tables(
         if overlay not in best or size < best[overlay][0]:
             best[overlay] = (size, layouts, tables, capacities)
     stash, overlaid = best.get(False), best.get(True)
-    if stash is None or (overlaid and overlaid[0] <= (1 - OVERLAY_MIN_SAVING) * stash[0]):
+    if overlaid and (stash is None or overlaid[0] <= (1 - OVERLAY_MIN_SAVING) * stash[0]):
         return overlaid[1:]
     return stash[1:]
 

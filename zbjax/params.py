@@ -224,6 +224,12 @@ def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, sl
     return rows[k][device, slot.offset : slot.offset + slot.size].reshape(slot.shape)
 
 
+def _local_slot_value(local_rows: Sequence[jax.Array], layout: StagedLayout, slot: LeafSlot):
+    """Returns the value ``slot`` holds in one device's rows."""
+    row = local_rows[layout.dtype_index(slot.dtype)]
+    return row[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+
+
 def _copies_by_leaf(layout: StagedLayout) -> list[list[tuple[int, LeafSlot]]]:
     by_leaf: list[list[tuple[int, LeafSlot]]] = [[] for _ in layout.param_avals]
     for device, slot in layout.copies():
@@ -274,12 +280,19 @@ def _summed_gradient(
     """Returns one leaf's gradient: the sum over its ``copies``, a row-range copy adding to
     its rows."""
     aval = layout.param_avals[copies[0][1].leaf]
-    total = None
-    for device, slot in copies:
-        value = _slot_value(staged.rows, layout, device, slot)
-        if slot.rows is not None:
-            value = jnp.zeros(aval.shape, aval.dtype).at[slot.rows[0] : slot.rows[1]].set(value)
-        total = value if total is None else total + value
+    return _sum_copies(aval, [(s, _slot_value(staged.rows, layout, d, s)) for d, s in copies])
+
+
+def _sum_copies(aval: jax.ShapeDtypeStruct, pieces: Sequence[tuple[LeafSlot, jax.Array]]):
+    """Returns the sum of a leaf's copies ``(slot, value)`` in the leaf's shape: a row-range
+    copy adds to its rows, and elements no copy holds are zero."""
+    total = jnp.zeros(aval.shape, aval.dtype)
+    for slot, value in pieces:
+        value = value.astype(aval.dtype)
+        if slot.rows is None:
+            total = total + value
+        else:
+            total = total.at[slot.rows[0] : slot.rows[1]].add(value)
     return total
 
 
@@ -320,18 +333,17 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
 
     def gather(device: int):
         def branch(rows):
-            out = []
-            for copies in groups:
-                aval = layout.param_avals[copies[0][1].leaf]
-                total = jnp.zeros(aval.shape, aval.dtype)
-                for _, slot in (c for c in copies if c[0] == device):
-                    k = layout.dtype_index(slot.dtype)
-                    value = rows[k][slot.offset : slot.offset + slot.size].reshape(slot.shape)
-                    value = value.astype(aval.dtype)
-                    rows_at = slice(None) if slot.rows is None else slice(*slot.rows)
-                    total = total.at[rows_at].add(value)
-                out.append(total)
-            return out
+            return [
+                _sum_copies(
+                    layout.param_avals[copies[0][1].leaf],
+                    [
+                        (slot, _local_slot_value(rows, layout, slot))
+                        for d, slot in copies
+                        if d == device
+                    ],
+                )
+                for copies in groups
+            ]
 
         return branch
 
@@ -400,12 +412,7 @@ def unpack_stage_params(
     layout: StagedLayout, stage: int, local_rows: Sequence[jax.Array]
 ) -> list[jax.Array]:
     """Returns stage ``stage``'s param leaves (``param_leaves`` order) from its device's rows."""
-    return [
-        local_rows[layout.dtype_index(slot.dtype)][slot.offset : slot.offset + slot.size].reshape(
-            slot.shape
-        )
-        for slot in layout.stage_slots[stage]
-    ]
+    return [_local_slot_value(local_rows, layout, slot) for slot in layout.stage_slots[stage]]
 
 
 def pack_stage_gradients(
