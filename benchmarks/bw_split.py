@@ -28,7 +28,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from zbjax.cost_model import matmul_flops
 from zbjax.partition import partition
-from zbjax.profile import lowered_b_and_w, stage_arguments, stash_forwarded
+from zbjax.profile import LOOP_RUNS, looped, lowered_b_and_w, stage_arguments, stash_forwarded
 from zbjax.split import split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -177,8 +177,11 @@ def measure(case: Case, repeats: int) -> Measurement:
     num_in = sum(graph.stages[case.stage_index].input_differentiable)
     num_residuals = len(program.residual_avals)
     forwarded = stash_forwarded(program)
-    backward_input, backward_weight = lowered_b_and_w(program, num_in)
-    backward = jax.jit(jaxpr_as_fun(program.backward))
+    plain_b, plain_w = lowered_b_and_w(program, num_in)
+    # Each timed call runs its program LOOP_RUNS times in a loop into buffers it carries, as the
+    # pipeline's tick loop does (``zbjax.profile.looped``); times are per run.
+    backward_input, backward_weight = looped(plain_b), looped(plain_w)
+    backward = looped(jaxpr_as_fun(program.backward))
     residuals = args[:num_residuals]
 
     b_times, w_times = [], []
@@ -193,8 +196,8 @@ def measure(case: Case, repeats: int) -> Measurement:
         _, new = _block(backward_input(*args))
         middle = time.perf_counter()
         _block(backward_weight(residuals, new))
-        b_times.append(middle - began)
-        w_times.append(time.perf_counter() - middle)
+        b_times.append((middle - began) / LOOP_RUNS)
+        w_times.append((time.perf_counter() - middle) / LOOP_RUNS)
 
     def run_fused() -> Any:
         return _block(backward(*args))
@@ -211,7 +214,7 @@ def measure(case: Case, repeats: int) -> Measurement:
         for fn in order:
             began = time.perf_counter()
             fn()
-            elapsed = time.perf_counter() - began
+            elapsed = (time.perf_counter() - began) / LOOP_RUNS
             (split_times if fn is run_split else fused_times).append(elapsed)
     ratios = [s / f for s, f in zip(split_times, fused_times, strict=True)]
     return Measurement(
@@ -321,6 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs them: B returns the input cotangents and the stash values W needs that are "
             "not residuals; W reads those and, where F stored them, the residuals "
             "(`zbjax.split.forwarded_stash`). BW is the fused backward jitted as one call. "
+            f"Each timed call runs its program {LOOP_RUNS} times in a loop whose outputs go "
+            "into buffers the loop carries, as the pipeline's tick loop writes its slot pools "
+            "(`zbjax.profile.looped`), and times are per run: timed one run per call, every "
+            "run writes freshly allocated outputs whose pages the allocator faults in anew, "
+            "which costs the split (more outputs: B's stash) more than the fused backward. "
             f"The two alternate (A B B A ...) {args.repeats} times after warm-up; times are "
             "medians, the ratio is the median over pairs of (B then W) / BW; the B and W "
             "columns come from separate runs where the host waits for B before starting W. "

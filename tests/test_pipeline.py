@@ -1,6 +1,7 @@
 """zbjax.pipeline end to end: pipelined loss and grads equal jax.value_and_grad, memory, errors."""
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -274,6 +275,43 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     assert_close(packed.value_and_grad(params, batch), reference)
     with pytest.raises(zbjax.PipelineError, match="user layout"):
         pipe.measure_costs(pipe.stage(params), batch)
+
+
+def _dots_in_loop_body(hlo: str) -> int:
+    """Returns the number of dots in the body of the one while loop of compiled ``hlo``,
+    counting those in the fusions the body calls."""
+    computations = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^%?([\w.\-]+) \(.*?\{\n(.*?)^\}", hlo, re.M | re.S)
+    }
+    (body,) = re.findall(r" while\(.*body=%?([\w.\-]+)", hlo)
+
+    def dots(name):
+        text = computations[name]
+        called = re.findall(r"calls=%?([\w.\-]+)", text)
+        return len(re.findall(r" dot\(", text)) + sum(dots(c) for c in called)
+
+    return dots(body)
+
+
+def test_looped_runs_the_whole_program_in_every_run_of_its_loop():
+    from zbjax.profile import looped
+
+    def fn(w, x, n):
+        h = jnp.tanh(x @ w)
+        return {"y": h @ w.T, "n": n + 1}, jnp.sum(h)
+
+    w = jax.random.normal(jax.random.key(0), (16, 16))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    n = jnp.arange(3)
+    run = looped(fn, 5)
+    # The link each run adds is zero: the outputs are fn's.
+    for got, want in zip(jax.tree.leaves(run(w, x, n)), jax.tree.leaves(fn(w, x, n)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    # Both matmuls stay in the loop's body, so every run computes them (nothing hoisted).
+    assert _dots_in_loop_body(run.lower(w, x, n).compile().as_text()) == 2
+    with pytest.raises(ValueError, match="runs=0"):
+        looped(fn, 0)
 
 
 # ----------------------------------------------------------------------------- memory, compile time

@@ -221,7 +221,9 @@ class Pipeline:
 
         Every stage program of this pipeline (built for ``batch``'s shapes) runs jitted alone
         on the first device of the mesh on the first microbatch (its data-parallel shard), F,
-        B and W alternating, ``repeats`` times after a warm-up; the medians are returned.
+        B and W alternating, ``repeats`` times after a warm-up, each time ``profile.LOOP_RUNS``
+        runs in a loop writing into buffers it carries, as the tick loop writes its pools
+        (``profile.looped``); the medians per run are returned.
         ``comm``: also time one tick's ``ppermute`` of the messages over the pipeline axis,
         all devices at once (``profile.measure_exchange``); a collective over the whole mesh.
         None (default): when every device of the mesh belongs to this process (else ``comm``
@@ -438,7 +440,6 @@ class Pipeline:
         else:
             self._check_params(params)
             params_avals = _avals(params)
-        micro = self._microbatch_avals(batch)
         key_aval = None if key is None else jax.ShapeDtypeStruct(np.shape(key), key.dtype)
         cache_key = (
             jax.tree_util.tree_structure(batch),
@@ -446,6 +447,9 @@ class Pipeline:
             None if key_aval is None else (key_aval.shape, str(key_aval.dtype)),
         )
         if cache_key not in self._built:
+            # Shapes decide the build, so a batch of known shapes needs no checking again
+            # (tracing the microbatch split costs milliseconds of every step otherwise).
+            micro = self._microbatch_avals(batch)
             self._built[cache_key] = self._build(params_avals, micro, key_aval)
         built = self._built[cache_key]
         if self._last is not None and self._last.lowering.layout != built.lowering.layout:
