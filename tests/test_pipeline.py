@@ -205,6 +205,11 @@ def test_report_names_stages_schedule_bubble_and_compiled_memory(mlp_setup):
     text = pipe.report()
     for needle in ("stage 0", "stage 1", "d0", "d1", "bubble rate", "temporaries"):
         assert needle in text
+    # Given a compiled step, the report reads that one's memory.
+    staged = pipe.stage(params)
+    compiled = pipe.lower(staged, batch).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert f"temporaries {temp:,} B" in pipe.report(compiled)
 
 
 def planned_and_plain(mlp_setup, schedule, costs):

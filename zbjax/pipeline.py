@@ -349,8 +349,13 @@ class Pipeline:
         """Returns the latest build's lowering: tick tables, staged layout, slot sizes."""
         return self._require_built("lowering").lowering
 
-    def report(self) -> str:
-        """Returns stages, schedule grid, simulated bubble rate and compiled per-device memory."""
+    def report(self, compiled: jax.stages.Compiled | None = None) -> str:
+        """Returns stages, schedule grid, simulated bubble rate and compiled per-device memory.
+
+        The memory is ``compiled``'s, a step compiled from ``pipe.lower(...).compile()``, when
+        given; else the step is compiled again for the latest call's shapes (without their
+        shardings, so it is a compile of its own).
+        """
         built = self._require_built("report")
         low = built.lowering
         costs = _program_costs(built.programs)
@@ -383,8 +388,9 @@ class Pipeline:
             + f"; message slots: {low.tables.num_message_slots} x {msg_bytes:,} B",
             f"staged params per device: {low.layout.bytes_per_device():,} B",
         ]
-        if self._last_inputs is not None:
+        if compiled is None and self._last_inputs is not None:
             compiled = built.step.lower(*self._last_inputs).compile()
+        if compiled is not None:
             mem = compiled.memory_analysis()
             if mem is not None:
                 lines.append(
