@@ -202,13 +202,15 @@ def measure_stage_costs(
     for index, program in enumerate(programs):
         forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
         num_in = sum(graph.stages[index].input_differentiable)
-        backward_input, backward_weight = lowered_b_and_w(program, num_in)
+        backward_input, backward_weight = (looped(fn) for fn in lowered_b_and_w(program, num_in))
+        # W's inputs from the very B that is timed (its loop's outputs are B's), so B compiles
+        # once.
         new = backward_input(*args)[1]
         residuals = args[: len(program.residual_avals)]
         calls = [
             (looped(jaxpr_as_fun(program.forward)), forward_args),
-            (looped(backward_input), args),
-            (looped(backward_weight), (residuals, new)),
+            (backward_input, args),
+            (backward_weight, (residuals, new)),
         ]
         tf, tb, tw = (t / LOOP_RUNS for t in median_times(calls, repeats))
         f.append(tf)
