@@ -10,7 +10,7 @@ Process 0 reports: the step time of gpipe, 1f1b and zb-h2 (alternating rounds, m
 1f1b within each round); the stage costs F, B, W measured on its one core alone (as
 ``step_time.measured_costs`` does); the simulator's predicted ratio from those costs; and the
 cost of one tick's ``ppermute`` of a microbatch's activations between the processes, which a
-pipeline step pays once per lockstep tick. Writes the section "multiprocess" of
+pipeline step pays once per tick that sends a message. Writes the section "multiprocess" of
 ``benchmarks/RESULTS.md``.
 
 Run: ``python benchmarks/multiprocess.py [--rounds N] [--microbatches 4 8]``.
@@ -117,15 +117,16 @@ def worker(
                 loss_fn, schedule, mesh, params, batch, costs=costs, pack_ticks=pack
             )
             prediction = step_time.predict(schedule, costs, pack=pack)
-            predicted[name] = (prediction.makespan, prediction.lockstep, prediction.ticks)
+            predicted[name] = prediction
         times = step_time.alternate(variants, rounds)
         result["m"][m] = {
             name: {
                 "step_ms": 1e3 * statistics.median(times[name]),
                 "ratio": step_time.median_ratio(times, name, "1f1b"),
-                "makespan_ms": 1e3 * predicted[name][0],
-                "lockstep_ms": 1e3 * predicted[name][1],
-                "ticks": predicted[name][2],
+                "makespan_ms": 1e3 * predicted[name].makespan,
+                "lockstep_ms": 1e3 * predicted[name].lockstep,
+                "ticks": predicted[name].ticks,
+                "exchanges": predicted[name].exchanges,
             }
             for name in VARIANTS
         }
@@ -199,32 +200,34 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         f"processes: {result['ppermute_ms']:.2f} ms. Steps alternate round by round ({rounds} "
         "rounds); step is the median, measured / 1f1b the median of the ratio within a round; "
         "predicted = the simulator's makespan ratio from the one-core costs, the ppermute as "
-        "the delay of every message between the devices; lockstep + comm = every tick as long "
-        "as its busiest device plus one ppermute. The pipelines get these costs, the ppermute "
+        "the delay of every message between the devices; lockstep + comm = the lowering's ticks, "
+        "the devices running their actions back to back and waiting for each other only at the "
+        "ticks that send a message, each of which pays one ppermute (the others skip it; "
+        "`zbjax.ticks.barrier_time`). The pipelines get these costs, the ppermute "
         "as `comm` (`pipeline(costs=...)`), and pack actions into a tick's spare time after a "
         "short one (W, and F, B or BW whose messages came at an earlier tick) where they say "
-        "it pays, each tick costing its ppermute (and run the first stage's backward fused, "
+        "it pays, each exchange costing its ppermute (and run the first stage's backward fused, "
         "its B having nothing to compute, where that shortens the ticks); "
         f"*{UNPACKED[0]}* and *{UNPACKED[1]}* run "
         "one action per device per tick, as built.",
         "",
         "| m | schedule | step (ms) | measured / 1f1b | predicted / 1f1b | lockstep + comm / 1f1b "
-        "| predicted step (ms, lockstep + comm) | ticks |",
-        "|---|---|---|---|---|---|---|---|",
+        "| predicted step (ms, lockstep + comm) | ticks | exchanges |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m in microbatches:
         rows = result["m"][str(m)]
         base = rows["1f1b"]
 
         def lock(row: dict) -> float:
-            return row["lockstep_ms"] + row["ticks"] * result["ppermute_ms"]
+            return row["lockstep_ms"] + row["exchanges"] * result["ppermute_ms"]
 
         for name in VARIANTS:
             row = rows[name]
             lines.append(
                 f"| {m} | {name} | {row['step_ms']:.1f} | {row['ratio']:.3f} | "
                 f"{row['makespan_ms'] / base['makespan_ms']:.3f} | {lock(row) / lock(base):.3f} | "
-                f"{lock(row):.1f} | {row['ticks']} |"
+                f"{lock(row):.1f} | {row['ticks']} | {row['exchanges']} |"
             )
     lines += ["", f"Machine load at the end: `{machine_load()}`. Took {took:.0f} s."]
     return "\n".join(lines)

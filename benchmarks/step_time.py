@@ -16,6 +16,7 @@ Run: ``python benchmarks/step_time.py [--rounds N] [--microbatches 4 8 16]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,7 +37,7 @@ from zbjax import schedules
 from zbjax.partition import partition
 from zbjax.profile import measure_stage_costs
 from zbjax.split import split
-from zbjax.ticks import pack_ticks, plan_ticks, tick_lengths
+from zbjax.ticks import barrier_time, exchange_ticks, pack_ticks, plan_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
@@ -194,23 +195,29 @@ def lockstep_time(
     costs: schedules.Costs,
     slowdown: float = 1.0,
     pack: bool = True,
-) -> tuple[float, int]:
-    """Returns (compute time when every tick lasts as long as its busiest device, ticks).
+) -> tuple[float, int, int]:
+    """Returns (compute time of the lowering's ticks, ticks, exchanges): the devices run their
+    actions back to back and wait for each other at the ticks that exchange messages
+    (``barrier_time``, without ``costs.comm``).
 
     The ticks are the lowering's: with ``pack``, the first stage's backward fused and actions
     packed into lanes after short ones where the costs say it pays (``plan_ticks``, as
     ``pipeline(costs=...)`` does), else one action per device per tick. ``slowdown``
-    stretches the ticks in which more than one device computes: the measured cost of running
-    on every device at once over running on one (the parallelism check).
+    stretches the stretches between exchanges in which more than one device computes: the
+    measured cost of running on every device at once over running on one (the parallelism
+    check).
     """
     # As the lowering plans it: the first stage (no differentiable input, so an empty B) may
     # run fused, and actions may be packed into lanes.
     planned, positions = (
         plan_ticks(schedule, costs, [0]) if pack else (schedule, pack_ticks(schedule))
     )
-    lengths = tick_lengths(planned, positions, costs)
-    stretched = [seconds * (slowdown if busy > 1 else 1.0) for seconds, busy in lengths]
-    return sum(stretched), len(lengths)
+    compute = dataclasses.replace(costs, comm=0.0)
+    return (
+        barrier_time(planned, positions, compute, slowdown),
+        1 + max(tick for tick, _ in positions.values()),
+        len(exchange_ticks(planned, positions)),
+    )
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,7 @@ class Prediction:
     lockstep: float
     contended: float  # lockstep, ticks with several busy devices stretched by the slowdown
     ticks: int
+    exchanges: int  # ticks that end in a ppermute (the others skip it)
     work: float  # every action's cost summed: the step time if the devices time-share one core
 
 
@@ -236,7 +244,7 @@ def predict(
     ``schedule`` (``slowdown``: the parallelism check, for the contended lockstep time;
     ``pack``: whether the lowering packs its ticks by the costs)."""
     result = schedules.simulate(schedule, costs)
-    lockstep, ticks = lockstep_time(schedule, costs, pack=pack)
+    lockstep, ticks, exchanges = lockstep_time(schedule, costs, pack=pack)
     work = sum(costs.of(a, schedule.num_stages) for _, _, a in schedule.all_actions())
     return Prediction(
         result.makespan,
@@ -245,6 +253,7 @@ def predict(
         lockstep,
         lockstep_time(schedule, costs, slowdown, pack)[0],
         ticks,
+        exchanges,
         work,
     )
 
@@ -635,12 +644,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "isolated step takes and therefore what the target uses; *span* is the throughput "
             "the span bubble implies (`span_bubble_rate`: steady state with successive steps "
             "overlapping, which a single jitted step does not do); *lockstep* is how the "
-            "lowering runs: every tick lasts as long as its busiest device, whose W may be "
-            "packed after its main action, and the first stage's backward fused (its B has "
-            "nothing to compute), where the costs say it pays (the pipelines get the measured "
-            "costs, `pipeline(costs=...)`); *lockstep + tick "
+            "lowering runs: the devices run their ticks' actions back to back and wait for "
+            "each other only at the ticks that send a message (the others skip their "
+            "`ppermute`; `zbjax.ticks.barrier_time`), actions packed after a short one and the "
+            "first stage's backward fused (its B has nothing to compute) where the costs say it "
+            "pays (the pipelines get the measured costs, `pipeline(costs=...)`); *lockstep + tick "
             "overhead* adds the per-tick and fixed costs measured below; *lockstep, contended* "
-            "stretches every tick in which both devices compute by the parallelism check's "
+            "stretches every run of ticks between exchanges in which both devices compute by the "
+            "parallelism check's "
             "slowdown (the two fake devices share this machine's cores and memory), which is "
             "what this machine can show at best. *Implied overhead per "
             "tick* = (measured step − lockstep compute) / ticks: what each tick costs beyond "
@@ -667,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "on about one core whether or not the other device computes (a device waiting in "
             "the tick's `ppermute` holds its thread), so the costs measured alone make every "
             "action look about that much cheaper than it runs; the contended column stretches "
-            "the ticks where both devices compute by the check's factor.",
+            "the runs of ticks where both devices compute by the check's factor.",
             "",
             f"**Per-tick overhead of the lowering**: {overhead.per_tick * 1e3:.3f} ms per tick "
             f"and {overhead.fixed * 1e3:.2f} ms fixed per step, fitted on gpipe steps of a "

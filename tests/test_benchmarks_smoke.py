@@ -36,10 +36,12 @@ def test_textbook_gpipe_equals_jax_grad():
 
 @pytest.mark.parametrize("m", [2, 4])
 def test_gpipe_lockstep_time_is_ticks_times_slowest_action(m):
-    # gpipe on 2 devices: m + 1 forward ticks (cost F) then m + 1 backward ticks (cost B + W).
+    # gpipe on 2 devices: m + 1 forward ticks (cost F) then m + 1 backward ticks (cost B + W);
+    # the first stage's m forwards and the last stage's m backwards send (2m exchanges).
     schedule = schedules.build("gpipe", 2, m)
-    time_, ticks = step_time.lockstep_time(schedule, schedules.Costs(1.0, 2.0, 3.0))
+    time_, ticks, exchanges = step_time.lockstep_time(schedule, schedules.Costs(1.0, 2.0, 3.0))
     assert ticks == 2 * (m + 1)
+    assert exchanges == 2 * m
     assert time_ == pytest.approx((m + 1) * (1.0 + 5.0))
 
 

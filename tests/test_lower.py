@@ -224,9 +224,10 @@ def test_lowered_step_equals_value_and_grad_for_every_schedule(name, devices, mi
 PACKING_COSTS = schedules.Costs(
     f=(1.0, 1.2) + (1.0,) * 6, b=(0.1,) + (1.0,) * 7, w=(1.5,) + (1.0,) * 7
 )
-#: Step_time's 2-stage MLP costs (ms), under which F, B and BW pack after short actions too:
-#: the last stage runs F and B of one microbatch in one tick, the loss computed in a lane.
-TWO_STAGE_COSTS = schedules.Costs((1.8, 1.95), (0.1, 1.8), (2.6, 1.75))
+#: Step_time's 2-stage MLP costs (ms) and an exchange of 0.5 ms, under which F, B and BW pack
+#: after short actions too (fewer ticks that send, so fewer exchanges): the last stage runs F
+#: and B of one microbatch in one tick, the loss computed in a lane.
+TWO_STAGE_COSTS = schedules.Costs((1.8, 1.95), (0.1, 1.8), (2.6, 1.75), 0.5)
 
 
 @pytest.mark.parametrize(
@@ -253,7 +254,7 @@ def test_packed_ticks_still_equal_value_and_grad(name, devices, micro):
         per = stages // devices
         f, b, w = (tuple(x / per for x in v for _ in range(per)) for v in
                    TWO_STAGE_COSTS.per_stage(2))  # fmt: skip
-        costs = schedules.Costs(f, b, w)
+        costs = schedules.Costs(f, b, w, TWO_STAGE_COSTS.comm)
     low, result = run_lowered(graph, programs, schedule, params, batch, costs)
     packed = {KIND_NAMES[int(k)] for k in low.tables.kind[:, :, 1:].ravel() if k != IDLE}
     assert packed, "nothing was packed"

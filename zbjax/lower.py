@@ -10,7 +10,11 @@ only B read: ``slot_layout``'s overlay), W reads the kept and stash slots, W and
 weight gradients into the device's gradient row, and F, B and BW put the messages they send into
 the tick's send payloads. Then every payload moves with one ``ppermute`` per distinct device
 shift (one flat operand per dtype) and is stored into message slots of the receiving device
-as the tables say. Collectives stay outside the conditionals.
+as the tables say. The actions' conditionals hold no collective (devices take different
+branches); a shift's ``ppermute`` sits in a conditional of its own only where some ticks send
+nothing over it, on a flag every device reads alike (``TickTables.exchanges``): those ticks
+skip it, and since the exchange is where devices wait for each other, a device runs on into
+its next tick's actions instead of waiting for the slowest one.
 
 Why two-way conds and separate pools: with one multi-way ``lax.switch``, or with a branch that
 reads and writes the same buffer, XLA copies the whole buffer (every slot) on every tick; a
@@ -856,6 +860,10 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         for (t, d), k in np.ndenumerate(tables.kind[:, :, lane]):
             if k != IDLE:
                 action[t, d, lane] = index[(int(k), int(tables.stage[t, d, lane]))]
+    exchanges = np.broadcast_to(
+        tables.exchanges[:, None, :].astype(np.int32),
+        (tables.num_ticks, tables.num_devices, len(tables.shifts)),
+    )
     return (
         action,
         tables.microbatch,
@@ -867,6 +875,7 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         tables.stash_write,
         tables.message_read,
         tables.message_write,
+        exchanges,
     )
 
 
@@ -885,6 +894,7 @@ def _run(
     loss_aval = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals[0]
     msg_slots = tables.num_message_slots + 1  # + the spare that absorbs "nothing arrives"
     data_axes = low.data_axes
+    always_exchanges = tables.exchanges.all(axis=0)
 
     num_slot_dtypes = len(low.slot_dtypes)
 
@@ -907,7 +917,7 @@ def _run(
         def tick(carry, x):
             residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
-             msg_read, msg_write) = x  # fmt: skip
+             msg_read, msg_write, exchange) = x  # fmt: skip
             state = _TickState(
                 residual_buf,
                 kept_buf,
@@ -966,7 +976,17 @@ def _run(
                     perm = [
                         (d, (d + shift) % tables.num_devices) for d in range(tables.num_devices)
                     ]
-                    payload = jax.lax.ppermute(payload, axis, perm)
+                    if always_exchanges[k]:
+                        payload = jax.lax.ppermute(payload, axis, perm)
+                    else:
+                        # Every device reads the same flag, so all or none enter the
+                        # collective; in a tick where nothing travels, none does and nobody waits.
+                        payload = jax.lax.cond(
+                            exchange[k] > 0,
+                            lambda q, perm=perm: jax.lax.ppermute(q, axis, perm),
+                            lambda q: q,
+                            payload,
+                        )
                 for j in range(tables.messages_per_shift[k]):
                     message_buf = [
                         jax.lax.dynamic_update_index_in_dim(

@@ -124,6 +124,14 @@ class TickTables:
         return int(self.kind.shape[2])
 
     @property
+    def exchanges(self) -> np.ndarray:
+        """Returns ``[num_ticks, shifts]`` booleans: whether any message travels over
+        ``shifts[k]`` at the end of tick ``t``. The lowering skips the ``ppermute`` (and with it
+        the devices' wait for each other) in the ticks where this is False."""
+        arrives = self.message_write != self.num_message_slots
+        return arrives.any(axis=(1, 3)) & (np.asarray(self.shifts) != 0)
+
+    @property
     def num_packed(self) -> int:
         """Returns the number of actions that run after another in their tick (lanes 1..)."""
         return int((self.kind[:, :, 1:] != IDLE).sum())
@@ -307,6 +315,47 @@ def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], cost
     return sum(seconds for seconds, _ in lengths) + costs.comm * len(lengths)
 
 
+def exchange_ticks(schedule: Schedule, positions: dict[Action, tuple[int, int]]) -> set[int]:
+    """Returns the ticks that end in an exchange: those in which an action sends a message to
+    another device (``TickTables.exchanges``); the lowering skips the ``ppermute`` elsewhere."""
+    shifts = _send_shifts(schedule)
+    return {
+        tick
+        for action, (tick, _) in positions.items()
+        if any(shift != 0 for shift in _sends(shifts, action))
+    }
+
+
+def barrier_time(
+    schedule: Schedule,
+    positions: dict[Action, tuple[int, int]],
+    costs: Costs,
+    contention: float = 1.0,
+) -> float:
+    """Returns the time of the ticks ``positions`` run ``schedule`` in, the devices waiting for
+    each other only at exchanges (``exchange_ticks``): between two exchanges every device runs
+    its actions back to back, and the stretch lasts as long as the busiest device's; every
+    exchange adds ``costs.comm``. At most ``tick_time``, which waits at every tick.
+    ``contention`` stretches the stretches in which more than one device computes (devices
+    that share a host's cores run slower together than alone)."""
+    exchanges = exchange_ticks(schedule, positions)
+    busy: dict[int, dict[int, float]] = {}
+    for action, (tick, _) in positions.items():
+        devices = busy.setdefault(tick, {})
+        device = schedule.placement[action.stage]
+        devices[device] = devices.get(device, 0.0) + costs.of(action, schedule.num_stages)
+    total, stretch = 0.0, {}
+    last = max(busy, default=-1)
+    for tick in range(last + 1):
+        for device, seconds in busy.get(tick, {}).items():
+            stretch[device] = stretch.get(device, 0.0) + seconds
+        if tick in exchanges or tick == last:
+            total += max(stretch.values(), default=0.0) * (contention if len(stretch) > 1 else 1)
+            total += costs.comm if tick in exchanges else 0.0
+            stretch = {}
+    return total
+
+
 #: How far past the tick's longest main action ``choose_ticks`` tries letting packed actions run.
 PACKING_SLACKS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0, 1.5, 2.0, 3.0)
 #: The (kinds, lanes) ``choose_ticks`` tries, in order: W in one lane after the main action,
@@ -315,7 +364,7 @@ PACKINGS = ((WEIGHT_ONLY, 1), (ANY_KIND, 1), (ANY_KIND, 2))
 
 
 def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[int, int]]:
-    """Returns the packing of ``schedule`` with the least ``tick_time`` under ``costs``.
+    """Returns the packing of ``schedule`` with the least ``barrier_time`` under ``costs``.
 
     Candidates are plain lockstep ticks (no packing) and ``pack_ticks`` with each of
     ``PACKINGS`` and ``PACKING_SLACKS``; a candidate must be faster than the earlier ones to
@@ -325,11 +374,11 @@ def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[
     best = pack_ticks(schedule)
     if costs is None:
         return best
-    best_time = tick_time(schedule, best, costs)
+    best_time = barrier_time(schedule, best, costs)
     for kinds, lanes in PACKINGS:
         for slack in PACKING_SLACKS:
             candidate = pack_ticks(schedule, costs, slack, lanes, kinds)
-            seconds = tick_time(schedule, candidate, costs)
+            seconds = barrier_time(schedule, candidate, costs)
             if seconds < best_time * (1.0 - 1e-9):
                 best, best_time = candidate, seconds
     return best
@@ -358,7 +407,7 @@ def plan_ticks(
 ) -> tuple[Schedule, dict[Action, tuple[int, int]]]:
     """Returns the schedule to run and its ticks (``choose_ticks``): ``schedule``, or it with
     the backward of the stages in ``empty_backward`` (those whose B computes nothing) fused
-    (``fuse_backward``) when that runs in no more ``tick_time`` under ``costs`` (fused, such a
+    (``fuse_backward``) when that runs in no more ``barrier_time`` under ``costs`` (fused, such a
     stage writes no stash for W and frees its residuals at once; always ``schedule`` without
     ``costs``)."""
     positions = choose_ticks(schedule, costs)
@@ -371,8 +420,8 @@ def plan_ticks(
         return schedule, positions
     fused = fuse_backward(schedule, split)
     fused_positions = choose_ticks(fused, costs)
-    before = tick_time(schedule, positions, costs)
-    if tick_time(fused, fused_positions, costs) <= before * (1.0 + 1e-9):
+    before = barrier_time(schedule, positions, costs)
+    if barrier_time(fused, fused_positions, costs) <= before * (1.0 + 1e-9):
         return fused, fused_positions
     return schedule, positions
 
