@@ -300,12 +300,20 @@ def tick_lengths(
 ) -> list[tuple[float, int]]:
     """Returns, per tick in order, (its compute time, the number of devices busy in it): a
     tick lasts as long as its busiest device's actions, every lane counted."""
+    busy = _busy(schedule, positions, costs)
+    return [(max(busy[t].values()), len(busy[t])) for t in sorted(busy)]
+
+
+def _busy(
+    schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs
+) -> dict[int, dict[int, float]]:
+    """Returns, per tick, each busy device's compute time in it (all its lanes)."""
     busy: dict[int, dict[int, float]] = {}
     for action, (tick, _) in positions.items():
         devices = busy.setdefault(tick, {})
         device = schedule.placement[action.stage]
         devices[device] = devices.get(device, 0.0) + costs.of(action, schedule.num_stages)
-    return [(max(busy[t].values()), len(busy[t])) for t in sorted(busy)]
+    return busy
 
 
 def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs) -> float:
@@ -339,11 +347,7 @@ def barrier_time(
     ``contention`` stretches the stretches in which more than one device computes (devices
     that share a host's cores run slower together than alone)."""
     exchanges = exchange_ticks(schedule, positions)
-    busy: dict[int, dict[int, float]] = {}
-    for action, (tick, _) in positions.items():
-        devices = busy.setdefault(tick, {})
-        device = schedule.placement[action.stage]
-        devices[device] = devices.get(device, 0.0) + costs.of(action, schedule.num_stages)
+    busy = _busy(schedule, positions, costs)
     total, stretch = 0.0, {}
     last = max(busy, default=-1)
     for tick in range(last + 1):
