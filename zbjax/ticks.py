@@ -295,32 +295,41 @@ def pack_ticks(
     return position
 
 
-def tick_lengths(
-    schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs
-) -> list[tuple[float, int]]:
-    """Returns, per tick in order, (its compute time, the number of devices busy in it): a
-    tick lasts as long as its busiest device's actions, every lane counted."""
-    busy = _busy(schedule, positions, costs)
-    return [(max(busy[t].values()), len(busy[t])) for t in sorted(busy)]
-
-
-def _busy(
-    schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs
-) -> dict[int, dict[int, float]]:
-    """Returns, per tick, each busy device's compute time in it (all its lanes)."""
+def _stretch_time(
+    schedule: Schedule,
+    positions: dict[Action, tuple[int, int]],
+    costs: Costs,
+    waits: set[int] | None,
+    contention: float = 1.0,
+) -> float:
+    """Returns the time of the ticks ``positions`` run ``schedule`` in when the devices wait for
+    each other, paying ``costs.comm``, at the end of the ticks in ``waits`` (every tick when
+    None): between two waits every device runs its actions (all lanes) back to back, and the
+    stretch lasts as long as the busiest device's, times ``contention`` when more than one
+    device computes in it."""
     busy: dict[int, dict[int, float]] = {}
     for action, (tick, _) in positions.items():
         devices = busy.setdefault(tick, {})
         device = schedule.placement[action.stage]
         devices[device] = devices.get(device, 0.0) + costs.of(action, schedule.num_stages)
-    return busy
+    total, stretch = 0.0, {}
+    last = max(busy, default=-1)
+    for tick in range(last + 1):
+        for device, seconds in busy.get(tick, {}).items():
+            stretch[device] = stretch.get(device, 0.0) + seconds
+        waited = waits is None or tick in waits
+        if waited or tick == last:
+            total += max(stretch.values(), default=0.0) * (contention if len(stretch) > 1 else 1)
+            total += costs.comm if waited else 0.0
+            stretch = {}
+    return total
 
 
 def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs) -> float:
-    """Returns the time of the ticks ``positions`` run ``schedule`` in: every tick's length
-    (``tick_lengths``) plus ``costs.comm`` for its exchange."""
-    lengths = tick_lengths(schedule, positions, costs)
-    return sum(seconds for seconds, _ in lengths) + costs.comm * len(lengths)
+    """Returns the time of the ticks ``positions`` run ``schedule`` in if every tick ended in an
+    exchange: each tick as long as its busiest device's actions, every lane counted, plus
+    ``costs.comm``."""
+    return _stretch_time(schedule, positions, costs, None)
 
 
 def exchange_ticks(schedule: Schedule, positions: dict[Action, tuple[int, int]]) -> set[int]:
@@ -341,23 +350,14 @@ def barrier_time(
     contention: float = 1.0,
 ) -> float:
     """Returns the time of the ticks ``positions`` run ``schedule`` in, the devices waiting for
-    each other only at exchanges (``exchange_ticks``): between two exchanges every device runs
-    its actions back to back, and the stretch lasts as long as the busiest device's; every
-    exchange adds ``costs.comm``. At most ``tick_time``, which waits at every tick.
-    ``contention`` stretches the stretches in which more than one device computes (devices
-    that share a host's cores run slower together than alone)."""
-    exchanges = exchange_ticks(schedule, positions)
-    busy = _busy(schedule, positions, costs)
-    total, stretch = 0.0, {}
-    last = max(busy, default=-1)
-    for tick in range(last + 1):
-        for device, seconds in busy.get(tick, {}).items():
-            stretch[device] = stretch.get(device, 0.0) + seconds
-        if tick in exchanges or tick == last:
-            total += max(stretch.values(), default=0.0) * (contention if len(stretch) > 1 else 1)
-            total += costs.comm if tick in exchanges else 0.0
-            stretch = {}
-    return total
+    each other only at exchanges (``exchange_ticks``), as the lowering runs them: between two
+    exchanges every device runs its actions back to back, and the stretch lasts as long as the
+    busiest device's; every exchange adds ``costs.comm``. At most ``tick_time``, which waits at
+    every tick. ``contention`` stretches the stretches in which more than one device computes
+    (devices that share a host's cores run slower together than alone)."""
+    return _stretch_time(
+        schedule, positions, costs, exchange_ticks(schedule, positions), contention
+    )
 
 
 #: How far past the tick's longest main action ``choose_ticks`` tries letting packed actions run.
