@@ -34,7 +34,9 @@ def worker_results(tmp_path_factory) -> list[dict]:
     """Runs the worker as processes 0 and 1 and returns what each wrote."""
     out = tmp_path_factory.mktemp("multiprocess")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The suite's compile-speed flags (conftest), but no fake-device count a user's XLA_FLAGS
+    # may carry: each process has its one CPU device.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("ZBJAX_TEST_XLA_FLAGS", ""))
     procs = []
     for pid in range(NUM_PROCESSES):
         log = open(out / f"worker{pid}.log", "w")  # noqa: SIM115 (closed below)
