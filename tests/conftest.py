@@ -25,10 +25,15 @@ FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 
 
 def _xla_accepts(flag: str) -> bool:
-    """Returns whether a fresh process starts JAX's CPU backend with ``flag`` in XLA_FLAGS."""
+    """Returns whether a fresh process starts JAX's CPU backend with ``flag`` in XLA_FLAGS
+    (within two minutes; a probe that takes longer counts as a refusal)."""
     env = dict(os.environ, XLA_FLAGS=flag)
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    return subprocess.run(probe, env=env, capture_output=True, check=False).returncode == 0
+    try:
+        done = subprocess.run(probe, env=env, capture_output=True, check=False, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 if "ZBJAX_TEST_XLA_FLAGS" not in os.environ:
