@@ -13,6 +13,7 @@ import pytest
 import zbjax
 from models import gpt, gpt_scan, mlp
 from zbjax.microbatch import reference_value_and_grad
+from zbjax.ticks import segment_ticks, tick_tables
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -249,6 +250,19 @@ def test_pack_ticks_runs_actions_in_spare_tick_time_and_matches_without(mlp_setu
     assert pipe.lowering.tables.num_lanes == 1
     with pytest.raises(zbjax.PipelineError, match="pack_ticks='yes'"):
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), pack_ticks="yes")
+
+
+def test_segmented_ticks_run_where_exchanges_cost_and_match_without(mlp_setup):
+    # Costs measured by benchmarks/multiprocess.py (ms, a ppermute between processes costing
+    # 2.09): on two devices the planner places the exchanges first (ticks.segment_ticks).
+    costs = zbjax.schedules.Costs((4.51, 4.87), (0.06, 4.59), (8.71, 6.35), 2.09)
+    pipes = planned_and_plain(mlp_setup, "zb-h2", costs)
+    planned = pipes[None]
+    segmented = segment_ticks(planned.schedule, costs)
+    assert segmented is not None
+    expected = tick_tables(planned.schedule, positions=segmented)
+    np.testing.assert_array_equal(planned.lowering.tables.kind, expected.kind)
+    assert planned.lowering.tables.num_lanes > 1
 
 
 def test_first_stage_backward_runs_fused_when_its_b_is_empty_and_costs_say_so(mlp_setup):

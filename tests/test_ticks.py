@@ -3,6 +3,7 @@
 import pytest
 
 from zbjax import schedules
+from zbjax import ticks as ticks_module
 from zbjax.errors import ScheduleError
 from zbjax.schedules import Action, Schedule
 from zbjax.ticks import (
@@ -25,6 +26,7 @@ from zbjax.ticks import (
     outgoing_messages,
     pack_ticks,
     plan_ticks,
+    segment_ticks,
     tick_tables,
     tick_time,
 )
@@ -442,7 +444,9 @@ def test_plan_ticks_fuses_an_empty_backward_only_when_the_ticks_get_no_longer():
         # Planning (packing, fusing) gains over 5 % on one action per device per tick.
         plain = barrier_time(schedule, pack_ticks(schedule), ONE_CORE_COSTS)
         assert min(split_time, fused_time) < 0.95 * plain
-    assert fused_at == [8, 16]  # at m = 4 the split packs into shorter ticks
+    # Segmented (``segment_ticks``), the fused schedule runs as fast as the split one at
+    # every m (packing alone left the split faster at m = 4), so the fused one is kept.
+    assert fused_at == [4, 8, 16]
     schedule = build("zb-h1", 2, 4)
     assert plan_ticks(schedule, None, [0])[0] is schedule  # no costs: the schedule as built
     assert plan_ticks(schedule, ONE_CORE_COSTS, [])[0] is schedule  # no empty backward
@@ -485,3 +489,113 @@ def test_barrier_time_waits_for_the_slowest_device_only_at_exchanges():
     assert barrier_time(schedule, positions, costs) == 1 + 0.5 + 6 + 0.5 + 8
     # Lockstep waits at every tick (and pays comm at each): 1 + 2 + 4 + 6 + 5 + 5 * 0.5.
     assert tick_time(schedule, positions, costs) == 1 + 2 + 4 + 6 + 5 + 5 * 0.5
+
+
+#: Stage costs measured by benchmarks/multiprocess.py (ms: one core per device; the exchange
+#: a gloo ppermute between two processes, 2.09 ms).
+PROCESS_COSTS = schedules.Costs((4.51, 4.87), (0.06, 4.59), (8.71, 6.35), 2.09)
+
+
+def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: int) -> float:
+    """Returns the least time of ``segment_ticks``'s model by trying every way of cutting the
+    two programs into segments (exponential: for tiny schedules only)."""
+    programs = schedule.actions
+    kinds = schedules.backward_kinds(schedule)
+    where = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
+    edges = [MessageEdge(a, b) for a, b in schedule.edges]
+
+    def sends(action):
+        if action.kind == "W":
+            return set()
+        backward = action.kind != "F"
+        return {s for s, _, _ in outgoing_messages(edges, schedule.placement, 2, action.stage,
+                                                   backward)}  # fmt: skip
+
+    def runs(frontier, d):
+        # Every run device d may take from frontier: (end, seconds, senders, after-sender).
+        out, seconds, senders = [(frontier[d], 0.0, [])], 0.0, []
+        for i in range(frontier[d], len(programs[d])):
+            action = programs[d][i]
+            needs = schedules.dependencies(schedule, action, kinds)
+            if any(dep.stage != action.stage and where[dep][1] >= frontier[where[dep][0]]
+                   for dep in needs):  # fmt: skip
+                break
+            if sends(action):
+                senders = senders + [i]
+            if len(senders) > 1 or (senders and i - senders[0] >= lanes):
+                break
+            seconds += costs.of(action, schedule.num_stages)
+            out.append((i + 1, seconds, senders))
+        return out
+
+    def best(frontier):
+        if frontier == (len(programs[0]), len(programs[1])):
+            return 0.0
+        options = []
+        for e0, s0, senders0 in runs(frontier, 0):
+            for e1, s1, senders1 in runs(frontier, 1):
+                if (e0, e1) == frontier:
+                    continue
+                exchange = any(
+                    sends(programs[d][i]) - {0} for d, ss in ((0, senders0), (1, senders1))
+                    for i in ss
+                )  # fmt: skip
+                if not exchange and (e0, e1) != (len(programs[0]), len(programs[1])):
+                    continue
+                options.append(max(s0, s1) + (costs.comm if exchange else 0.0) + best((e0, e1)))
+        return min(options, default=float("inf"))
+
+    return best((0, 0))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"])
+def test_segment_ticks_find_the_fastest_segments_and_tables_that_run_them(name):
+    cases = ((2, PROCESS_COSTS), (2, TWO_STAGE_COSTS), (2, ONE_CORE_COSTS))
+    if name != "interleaved-1f1b":  # whose exhaustive search at m = 3 takes half a minute
+        cases += ((3, TWO_STAGE_COSTS),)
+    for micro, two_stage in cases:
+        schedule = build(name, 2, micro)
+        chunks = schedule.num_stages // 2  # a device's stage split in chunks, each as long
+        f, b, w = (tuple(x / chunks for _ in range(chunks) for x in v)
+                   for v in two_stage.per_stage(2))  # fmt: skip
+        costs = schedules.Costs(f, b, w, two_stage.comm)
+        for lanes in (1, 3):
+            positions = segment_ticks(schedule, costs, lanes)
+            assert 1 + max(lane for _, lane in positions.values()) <= lanes
+            tables = tick_tables(schedule, positions=positions)
+            assert decode_actions(tables) == schedule.actions
+            replay(tables, schedule)
+            # Devices meet only at exchanges, each a segment's last tick: the ticks cost what
+            # the exhaustive search over segments says is least.
+            seconds = barrier_time(schedule, positions, costs)
+            assert seconds == pytest.approx(fewest_segment_seconds(schedule, costs, lanes))
+            assert seconds <= barrier_time(schedule, pack_ticks(schedule), costs) + 1e-9
+
+
+def test_segment_ticks_beat_packing_where_exchanges_cost_and_choose_ticks_takes_them():
+    # The multiprocess benchmark's costs: packing into fixed ticks leaves zb-h2 at 0.99x 1f1b
+    # at m = 8, placing the exchanges first at 0.96x (the simulator's makespan: 0.91x).
+    def planned_seconds(name, m):
+        planned, positions = plan_ticks(build(name, 2, m), PROCESS_COSTS, [0])
+        return barrier_time(planned, positions, PROCESS_COSTS)
+
+    schedule = fuse_backward(build("zb-h2", 2, 8), [0])
+    packed = min(
+        barrier_time(schedule, pack_ticks(schedule, PROCESS_COSTS, slack, lanes, kinds),
+                     PROCESS_COSTS)
+        for kinds, lanes in PACKINGS
+        for slack in ticks_module.PACKING_SLACKS
+    )  # fmt: skip
+    segmented = barrier_time(schedule, segment_ticks(schedule, PROCESS_COSTS), PROCESS_COSTS)
+    assert segmented < 0.97 * packed
+    assert choose_ticks(schedule, PROCESS_COSTS) == segment_ticks(schedule, PROCESS_COSTS)
+    assert planned_seconds("zb-h2", 8) < 0.96 * planned_seconds("1f1b", 8)
+
+
+def test_segment_ticks_skip_what_they_cannot_search(monkeypatch):
+    schedule = build("zb-v", 2, 4)  # its V placement has an edge inside each device
+    assert segment_ticks(schedule, costs_for(schedule, PACKING_COSTS)) is None
+    assert segment_ticks(build("zb-h2", 4, 8), PACKING_COSTS) is None  # four devices
+    assert segment_ticks(build("zb-h2", 2, 8), PROCESS_COSTS) is not None
+    monkeypatch.setattr(ticks_module, "SEGMENT_STATES", 100)
+    assert segment_ticks(build("zb-h2", 2, 8), PROCESS_COSTS) is None  # 25 x 25 pairs

@@ -360,6 +360,127 @@ def barrier_time(
     )
 
 
+#: The most (device 0, device 1) frontier pairs ``segment_ticks`` searches; past it (about
+#: m = 70 microbatches of a one-stage-per-device schedule) ``choose_ticks`` does without it.
+SEGMENT_STATES = 50_000
+#: The most lanes ``segment_ticks`` gives a tick (the main one and those after it), as many as
+#: ``PACKINGS`` use: each lane adds a conditional per (kind, stage) to the compiled tick.
+SEGMENT_LANES = 3
+
+
+def segment_ticks(
+    schedule: Schedule, costs: Costs, lanes: int = SEGMENT_LANES
+) -> dict[Action, tuple[int, int]] | None:
+    """Returns (tick, lane) of every action of a two-device ``schedule`` placed so that the
+    devices meet at the fewest, best-placed exchanges: the least ``barrier_time`` over every
+    way of cutting the two programs into *segments* (each device's next run of actions, the
+    devices waiting for each other after each segment). None for more devices, for a stage
+    graph with an edge inside a device (a V placement: its local messages need a tick, not an
+    exchange, between sender and reader) and past ``SEGMENT_STATES`` frontier pairs.
+
+    A segment may hold an action only when everything it needs from another stage ran in an
+    earlier segment, at most one action per device that sends a message, and at most ``lanes``
+    actions per device from that sender on; every segment but the last ends in an exchange
+    (some action sends to the other device). It costs its busier device's time plus
+    ``costs.comm`` when it exchanges, which is what ``barrier_time`` charges its ticks. The
+    search is exact (dynamic programming over the pairs of frontiers). A segment becomes ticks:
+    each device's actions one per tick, its sender in the segment's last tick (the only one
+    that exchanges) and the actions after the sender in lanes there.
+    ``pack_ticks`` fixes the ticks first and packs into them; this places the exchanges first.
+    """
+    placement = schedule.placement
+    if schedule.num_devices != 2 or any(placement[a] == placement[b] for a, b in schedule.edges):
+        return None
+    programs = schedule.actions
+    sizes = [len(p) for p in programs]
+    if (sizes[0] + 1) * (sizes[1] + 1) > SEGMENT_STATES:
+        return None
+    deps = _checked_dependencies(schedule)
+    shifts = _send_shifts(schedule)
+    index = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
+    # need[d][i]: how far each device's program must have run in earlier segments for action i
+    # of device d (one past its last dependency on another stage there).
+    need = [[[0, 0] for _ in p] for p in programs]
+    for d, program in enumerate(programs):
+        for i, action in enumerate(program):
+            for dep in deps[action]:
+                if dep.stage != action.stage:
+                    other, j = index[dep]
+                    need[d][i][other] = max(need[d][i][other], j + 1)
+    # Whether each action sends a message (to the other device: every edge crosses).
+    sends = [[bool(_sends(shifts, a)) for a in p] for p in programs]
+    seconds = [[costs.of(a, schedule.num_stages) for a in p] for p in programs]
+
+    def extents(d: int, frontier: tuple[int, int]) -> list[tuple[int, float, bool]]:
+        # (end, busy seconds, whether it sends) of every run device d may take from
+        # ``frontier``.
+        out, busy, sender = [(frontier[d], 0.0, False)], 0.0, None
+        for i in range(frontier[d], sizes[d]):
+            if need[d][i][0] > frontier[0] or need[d][i][1] > frontier[1]:
+                break
+            if sends[d][i]:
+                if sender is not None:
+                    break
+                sender = i
+            if sender is not None and i - sender >= lanes:
+                break
+            busy += seconds[d][i]
+            out.append((i + 1, busy, sender is not None))
+        return out
+
+    best: dict[tuple[int, int], tuple[float, tuple[int, int] | None]] = {(0, 0): (0.0, None)}
+    for c0 in range(sizes[0] + 1):
+        for c1 in range(sizes[1] + 1):
+            if (c0, c1) not in best:
+                continue
+            base = best[(c0, c1)][0]
+            for e0, busy0, exchange0 in extents(0, (c0, c1)):
+                for e1, busy1, exchange1 in extents(1, (c0, c1)):
+                    if (e0, e1) == (c0, c1):
+                        continue
+                    # Devices wait for each other only at exchanges: a segment without one
+                    # would run on into the next, so only the last may go without.
+                    if not (exchange0 or exchange1) and (e0, e1) != (sizes[0], sizes[1]):
+                        continue
+                    comm = costs.comm if exchange0 or exchange1 else 0.0
+                    total = base + max(busy0, busy1) + comm
+                    if total < best.get((e0, e1), (float("inf"),))[0]:
+                        best[(e0, e1)] = (total, (c0, c1))
+    if (sizes[0], sizes[1]) not in best:
+        return None
+    cuts, frontier = [], (sizes[0], sizes[1])
+    while frontier != (0, 0):
+        start = best[frontier][1]
+        cuts.append((start, frontier))
+        frontier = start
+    positions: dict[Action, tuple[int, int]] = {}
+    tick = 0
+    for start, end in reversed(cuts):
+        runs = [programs[d][start[d] : end[d]] for d in range(2)]
+        senders = [
+            max((k for k, a in enumerate(run) if sends[d][start[d] + k]), default=None)
+            for d, run in enumerate(runs)
+        ]
+        # The segment's last tick is the senders'. Before it a device runs an action per tick
+        # (up to its sender, or filling the segment), and the rest in lanes of the last tick.
+        length = max(
+            1,
+            *(
+                len(run) - lanes + 1 if k is None else k + 1
+                for run, k in zip(runs, senders, strict=True)
+            ),
+        )
+        last = tick + length - 1
+        for run, sender in zip(runs, senders, strict=True):
+            first = tick if sender is None else last - sender
+            for k, action in enumerate(run):
+                positions[action] = (
+                    (first + k, 0) if first + k <= last else (last, first + k - last)
+                )
+        tick += length
+    return positions
+
+
 #: How far past the tick's longest main action ``choose_ticks`` tries letting packed actions run.
 PACKING_SLACKS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0, 1.5, 2.0, 3.0)
 #: The (kinds, lanes) ``choose_ticks`` tries, in order: W in one lane after the main action,
@@ -370,21 +491,26 @@ PACKINGS = ((WEIGHT_ONLY, 1), (ANY_KIND, 1), (ANY_KIND, 2))
 def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[int, int]]:
     """Returns the packing of ``schedule`` with the least ``barrier_time`` under ``costs``.
 
-    Candidates are plain lockstep ticks (no packing) and ``pack_ticks`` with each of
-    ``PACKINGS`` and ``PACKING_SLACKS``; a candidate must be faster than the earlier ones to
-    win, so plain ticks stay unless packing pays, and fewer lanes unless more pay. Without
-    ``costs``: plain lockstep ticks.
+    Candidates are plain lockstep ticks (no packing), ``pack_ticks`` with each of
+    ``PACKINGS`` and ``PACKING_SLACKS``, and on two devices ``segment_ticks``; a candidate
+    must be faster than the earlier ones to win, so plain ticks stay unless packing pays, and
+    fewer lanes unless more pay. Without ``costs``: plain lockstep ticks.
     """
     best = pack_ticks(schedule)
     if costs is None:
         return best
     best_time = barrier_time(schedule, best, costs)
-    for kinds, lanes in PACKINGS:
-        for slack in PACKING_SLACKS:
-            candidate = pack_ticks(schedule, costs, slack, lanes, kinds)
-            seconds = barrier_time(schedule, candidate, costs)
-            if seconds < best_time * (1.0 - 1e-9):
-                best, best_time = candidate, seconds
+    candidates = (
+        pack_ticks(schedule, costs, slack, lanes, kinds)
+        for kinds, lanes in PACKINGS
+        for slack in PACKING_SLACKS
+    )
+    for candidate in (*candidates, segment_ticks(schedule, costs)):
+        if candidate is None:
+            continue
+        seconds = barrier_time(schedule, candidate, costs)
+        if seconds < best_time * (1.0 - 1e-9):
+            best, best_time = candidate, seconds
     return best
 
 
