@@ -205,8 +205,9 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "ticks that send a message, each of which pays one ppermute (the others skip it; "
         "`zbjax.ticks.barrier_time`). The pipelines get these costs, the ppermute "
         "as `comm` (`pipeline(costs=...)`), and pack actions into a tick's spare time after a "
-        "short one (W, and F, B or BW whose messages came at an earlier tick) where they say "
-        "it pays, each exchange costing its ppermute (and run the first stage's backward fused, "
+        "short one (W, and F, B or BW whose messages came at an earlier tick), or place the "
+        "exchanges first (`zbjax.ticks.segment_ticks`), where they say it pays, each exchange "
+        "costing its ppermute (and run the first stage's backward fused, "
         "its B having nothing to compute, where that shortens the ticks); "
         f"*{UNPACKED[0]}* and *{UNPACKED[1]}* run "
         "one action per device per tick, as built.",
