@@ -822,9 +822,12 @@ def pipeline(
     ``pack_ticks``: the compiled step advances all devices tick by tick, each tick as long as
     its slowest action; when packing, a device that would finish early also runs its next
     actions that fit in the rest of the tick (W, and F, B or BW whose inputs arrived at an
-    earlier tick), judged by ``costs``, if that shortens the predicted step,
-    and a stage whose B computes nothing (no differentiable input, like the first) runs its
-    backward fused where B stood if that does (``pipe.schedule`` is then the fused schedule).
+    earlier tick), judged by ``costs``, if that shortens the predicted step; on two
+    devices whose stage graph crosses between them at every edge, the ticks may instead be
+    laid out around the fewest, best-placed exchanges (``ticks.segment_ticks``) where that
+    predicts a shorter step; and a stage whose B computes nothing (no differentiable input,
+    like the first) runs its backward fused where B stood if that does (``pipe.schedule`` is
+    then the fused schedule).
     None (default): pack when ``costs`` is given (times you measured, e.g. each stage's F, B
     and W jitted alone); True: pack by ``costs`` or, without them, by the stage programs'
     static estimates (FLOPs plus bytes moved; rough on small stages); False: one action per
