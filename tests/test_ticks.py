@@ -512,7 +512,7 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
                                                    backward)}  # fmt: skip
 
     def runs(frontier, d):
-        # Every run device d may take from frontier: (end, seconds, senders, after-sender).
+        # Every run device d may take from frontier: (end, seconds, its senders).
         out, seconds, senders = [(frontier[d], 0.0, [])], 0.0, []
         for i in range(frontier[d], len(programs[d])):
             action = programs[d][i]

@@ -6,9 +6,11 @@ before ``t`` (data produced during tick ``t`` is moved at the end of tick ``t`` 
 ``t + 1``). A tick lasts as long as its slowest device, so when costs are known a device that
 finishes early may run its next actions in *lanes* after the main one (``pack_ticks``): W
 (which sends nothing and needs only its own stage's B), and also F, B or BW whose messages
-arrived at an earlier tick, so the time the tick spends anyway goes to work. This module turns
-a ``Schedule`` into integer tables indexed ``[tick, device, lane]`` and allocates the buffer
-slots the lowering reads and writes. Pure Python and NumPy, no JAX.
+arrived at an earlier tick, so the time the tick spends anyway goes to work. On two devices
+``segment_ticks`` may lay the ticks out the other way round: first where the devices meet (the
+exchanges), then each device's actions between them. This module turns a ``Schedule`` into
+integer tables indexed ``[tick, device, lane]`` and allocates the buffer slots the lowering
+reads and writes. Pure Python and NumPy, no JAX.
 
 Data that outlives a tick sits in slot pools per device, each sized by the schedule's peak
 number of items in flight (interval colouring), never by the number of microbatches:
