@@ -385,9 +385,10 @@ def segment_ticks(
     actions per device from that sender on; every segment but the last ends in an exchange
     (some action sends to the other device). It costs its busier device's time plus
     ``costs.comm`` when it exchanges, which is what ``barrier_time`` charges its ticks. The
-    search is exact (dynamic programming over the pairs of frontiers). A segment becomes ticks:
-    each device's actions one per tick, its sender in the segment's last tick (the only one
-    that exchanges) and the actions after the sender in lanes there.
+    search is exact (dynamic programming over the pairs of frontiers). A segment becomes as few
+    ticks as its senders and ``lanes`` allow: each device's actions one per tick, its sender in
+    the segment's last tick (the only one that exchanges), and what comes after the sender (or,
+    without one, what does not fit before) in lanes of that tick.
     ``pack_ticks`` fixes the ticks first and packs into them; this places the exchanges first.
     """
     placement = schedule.placement
