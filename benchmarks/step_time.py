@@ -207,17 +207,27 @@ def lockstep_time(
     measured cost of running on every device at once over running on one (the parallelism
     check).
     """
-    # As the lowering plans it: the first stage (no differentiable input, so an empty B) may
-    # run fused, and actions may be packed into lanes.
-    planned, positions = (
-        plan_ticks(schedule, costs, [0]) if pack else (schedule, pack_ticks(schedule))
-    )
-    compute = dataclasses.replace(costs, comm=0.0)
+    return _lockstep(*planned_ticks(schedule, costs, pack), costs, slowdown)
+
+
+def _lockstep(
+    planned: schedules.Schedule, positions: dict, costs: schedules.Costs, slowdown: float
+) -> tuple[float, int, int]:
+    """Returns ``lockstep_time`` of ticks already planned."""
     return (
-        barrier_time(planned, positions, compute, slowdown),
+        barrier_time(planned, positions, dataclasses.replace(costs, comm=0.0), slowdown),
         1 + max(tick for tick, _ in positions.values()),
         len(exchange_ticks(planned, positions)),
     )
+
+
+def planned_ticks(
+    schedule: schedules.Schedule, costs: schedules.Costs, pack: bool = True
+) -> tuple[schedules.Schedule, dict]:
+    """Returns the schedule and ticks the lowering runs (``lockstep_time``'s ``pack``)."""
+    # As the lowering plans it: the first stage (no differentiable input, so an empty B) may
+    # run fused, and actions may be packed into lanes or laid out around the exchanges.
+    return plan_ticks(schedule, costs, [0]) if pack else (schedule, pack_ticks(schedule))
 
 
 @dataclass(frozen=True)
@@ -244,14 +254,15 @@ def predict(
     ``schedule`` (``slowdown``: the parallelism check, for the contended lockstep time;
     ``pack``: whether the lowering packs its ticks by the costs)."""
     result = schedules.simulate(schedule, costs)
-    lockstep, ticks, exchanges = lockstep_time(schedule, costs, pack=pack)
+    planned = planned_ticks(schedule, costs, pack)  # planned once, timed twice
+    lockstep, ticks, exchanges = _lockstep(*planned, costs, 1.0)
     work = sum(costs.of(a, schedule.num_stages) for _, _, a in schedule.all_actions())
     return Prediction(
         result.makespan,
         result.bubble_rate,
         schedules.span_bubble_rate(schedule, result),
         lockstep,
-        lockstep_time(schedule, costs, slowdown, pack)[0],
+        _lockstep(*planned, costs, slowdown)[0],
         ticks,
         exchanges,
         work,

@@ -437,8 +437,9 @@ def segment_ticks(
             if (c0, c1) not in best:
                 continue
             base = best[(c0, c1)][0]
+            runs1 = extents(1, (c0, c1))
             for e0, busy0, exchange0 in extents(0, (c0, c1)):
-                for e1, busy1, exchange1 in extents(1, (c0, c1)):
+                for e1, busy1, exchange1 in runs1:
                     if (e0, e1) == (c0, c1):
                         continue
                     # Devices wait for each other only at exchanges: a segment without one
@@ -460,8 +461,8 @@ def segment_ticks(
     tick = 0
     for start, end in reversed(cuts):
         runs = [programs[d][start[d] : end[d]] for d in range(2)]
-        senders = [
-            max((k for k, a in enumerate(run) if sends[d][start[d] + k]), default=None)
+        senders = [  # a run's one sender, if any
+            next((k for k in range(len(run)) if sends[d][start[d] + k]), None)
             for d, run in enumerate(runs)
         ]
         # The segment's last tick is the senders'. Before it a device runs an action per tick
