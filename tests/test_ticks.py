@@ -1,5 +1,6 @@
 """Tick tables: lockstep timing, slot allocation and message routing of a schedule (no JAX)."""
 
+import numpy as np
 import pytest
 
 from zbjax import schedules
@@ -111,9 +112,10 @@ def replay(tables, schedule: Schedule, kept: bool = True, until_weight: bool = F
                     assert slot < tables.num_stash_slots
                     stash[d][slot] = ("stash", s, i)
                 if kind != BACKWARD_WEIGHT:
-                    for shift, position, e in outgoing_messages(
-                        tables.edges, tables.placement, d_count, s, backward
+                    for j, (shift, _, e) in enumerate(
+                        outgoing_messages(tables.edges, tables.placement, d_count, s, backward)
                     ):
+                        position = int(tables.send_position[at + (j,)])
                         arrivals.append(((d + shift) % d_count, shift, position, (e, i, backward)))
         sent = [(dst, shift, position) for dst, shift, position, _ in arrivals]
         assert len(set(sent)) == len(sent), "two messages share a payload position in a tick"
@@ -288,12 +290,13 @@ def test_packed_tables_replay_and_decode_to_the_schedule(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("packing", PACKINGS, ids=["w-1", "any-1", "any-2"])
 @pytest.mark.parametrize("slack", [0.0, 0.3, 2.0])
-def test_pack_ticks_keeps_order_dependencies_sends_and_tick_length(name, packing, slack):
+@pytest.mark.parametrize("share", [False, True], ids=["own-shift", "share"])
+def test_pack_ticks_keeps_order_dependencies_sends_and_tick_length(name, packing, slack, share):
     kinds_packed, lanes = packing
     for devices, micro in ((2, 6), (4, 8)):
         schedule = build(name, devices, micro)
         costs = packing_costs(schedule)
-        position = pack_ticks(schedule, costs, slack, lanes, kinds_packed)
+        position = pack_ticks(schedule, costs, slack, lanes, kinds_packed, share)
         kinds = schedules.backward_kinds(schedule)
         for program in schedule.actions:
             # Every device runs its own actions in its own order, one per (tick, lane).
@@ -321,10 +324,17 @@ def test_pack_ticks_keeps_order_dependencies_sends_and_tick_length(name, packing
                     action.kind != "F",
                 )
                 for shift, _, _ in sends:
-                    assert (tick, device, shift) not in shifts, "two sends over one shift"
+                    shared = (tick, device, shift) in shifts
+                    assert share or not shared, "two sends over one shift"
                     shifts[tick, device, shift] = action
         for (tick, _), seconds in busy.items():
             assert seconds <= longest[tick] * (1 + slack) + 1e-9
+        # Messages sent over one shift in one tick take distinct positions of its payload and
+        # reach their readers.
+        tables = tick_tables(schedule, positions=position)
+        replay(tables, schedule)
+        if not share:
+            assert max(tables.messages_per_shift) == 1
 
 
 def test_tables_refuse_positions_that_run_an_action_before_its_data():
@@ -346,23 +356,32 @@ def test_tables_refuse_positions_that_run_an_action_before_its_data():
         tick_tables(schedule, positions=missing)
 
 
-def test_tables_refuse_two_sends_over_one_shift_in_a_tick():
+def test_two_sends_over_one_shift_in_a_tick_share_its_exchange():
     # zb-v on 2 devices: device 0 holds stages 0 and 3, and F of stage 0 and B of stage 3 both
     # send over shift 1. Order B of stage 3 right after an F of stage 0 and put it in that F's
-    # tick, in lane 1: its data is there (its stage's F ran before), but the payload is not.
+    # tick, in lane 1: its data is there (its stage's F ran before), and its message takes the
+    # payload's next position.
     schedule = build("zb-v", 2, 4)
     program = list(schedule.actions[0])
     f0, b3 = Action("F", 0, 3), Action("B", 3, 2)
     program.remove(b3)
     program.insert(program.index(f0) + 1, b3)
     schedule = schedule.with_actions([program, list(schedule.actions[1])])
+    alone = tick_tables(schedule, positions=pack_ticks(schedule))
     positions = pack_ticks(schedule)
-    positions[b3] = (positions[f0][0], 1)
-    with pytest.raises(ScheduleError, match="two messages over shift 1"):
-        tick_tables(schedule, positions=positions)
-    del positions[b3]
-    positions[b3] = pack_ticks(schedule)[b3]
-    tick_tables(schedule, positions=positions)  # in a tick of its own it is fine
+    tick = positions[f0][0]
+    positions[b3] = (tick, 1)
+    tables = tick_tables(schedule, positions=positions)
+    replay(tables, schedule)
+    assert decode_actions(tables) == schedule.actions
+    k = tables.shifts.index(1)
+    assert tables.send_position[tick, 0, 0, 0] == 0  # F of stage 0 first, in lane 0
+    assert tables.send_position[tick, 0, 1, 0] == 1  # then B of stage 3, in lane 1
+    assert tables.messages_per_shift[k] == 2 and alone.messages_per_shift[k] == 1
+    assert tables.payload_blocks[tick, k] == 2
+    # Every other tick moves at most one position, and one exchange fewer is needed.
+    assert (np.delete(tables.payload_blocks[:, k], tick) <= 1).all()
+    assert tables.exchanges.sum() == alone.exchanges.sum() - 1
 
 
 PROFILE_1_5B = schedules.Costs(f=18522.0, b=18086.0, w=9337.0, comm=601.0)
@@ -522,7 +541,7 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
                 break
             if sends(action):
                 senders = senders + [i]
-            if len(senders) > 1 or (senders and i - senders[0] >= lanes):
+            if senders and i - senders[0] >= lanes:
                 break
             seconds += costs.of(action, schedule.num_stages)
             out.append((i + 1, seconds, senders))

@@ -8,13 +8,16 @@ slot (those only B reads) and a kept slot (those W reads too), B reads both and 
 needs beyond them into a stash slot (or returns it, and the tick writes it over the residuals
 only B read: ``slot_layout``'s overlay), W reads the kept and stash slots, W and BW add their
 weight gradients into the device's gradient row, and F, B and BW put the messages they send into
-the tick's send payloads. Then every payload moves with one ``ppermute`` per distinct device
-shift (one flat operand per dtype) and is stored into message slots of the receiving device
-as the tables say. The actions' conditionals hold no collective (devices take different
-branches); a shift's ``ppermute`` sits in a conditional of its own only where some ticks send
-nothing over it, on a flag every device reads alike (``TickTables.exchanges``): those ticks
-skip it, and since the exchange is where devices wait for each other, a device runs on into
-its next tick's actions instead of waiting for the slowest one.
+the tick's send payloads, at the positions the tables give them (the messages a device sends
+over one shift in one tick, from any of its lanes, share one exchange). Then every payload moves
+with one ``ppermute`` per distinct device shift (one flat operand per dtype) and is stored into
+message slots of the receiving device as the tables say. The actions' conditionals hold no
+collective (devices take different branches); a shift's ``ppermute`` sits in a ``lax.switch``
+of its own where some ticks send nothing over it or send fewer messages than others, on a
+code every device reads alike (``TickTables.payload_blocks``, ``exchange_sizes``): each tick
+moves only the positions it filled, a tick that sends nothing skips the exchange, and since the
+exchange is where devices wait for each other, a device then runs on into its next tick's
+actions instead of waiting for the slowest one.
 
 Why two-way conds and separate pools: with one multi-way ``lax.switch``, or with a branch that
 reads and writes the same buffer, XLA copies the whole buffer (every slot) on every tick; a
@@ -703,14 +706,15 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     n_outputs = len(stage.output_differentiable)
     n_in_cts = sum(stage.input_differentiable)
 
-    def place_sends(sends, values_of_edge):
-        # Each message goes to its shift's payload at its position (capacity-sized blocks).
+    def place_sends(sends, values_of_edge, send_position):
+        # Each message goes to its shift's payload (capacity-sized blocks) at the position the
+        # tables give it this tick: after those of the device's earlier lanes on that shift.
         sends = [list(s) for s in sends]
-        for shift, position, e in sent:
+        for j, (shift, _, e) in enumerate(sent):
             k = shift_index[shift]
             flats = pack(edge_packing[e], values_of_edge(e), msg_cap)
             for t in range(len(msg_dtypes)):
-                start = position * msg_cap[t]
+                start = send_position[j] * msg_cap[t]
                 sends[k][t] = jax.lax.dynamic_update_slice(sends[k][t], flats[t], (start,))
         return sends
 
@@ -733,7 +737,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 cts[pos] = value
         return [ct for ct, flag in zip(cts, stage.output_differentiable, strict=True) if flag]
 
-    def input_cotangent_sends(sends, in_cts):
+    def input_cotangent_sends(sends, in_cts, send_position):
         full: list = [None] * len(stage.input_differentiable)
         it = iter(in_cts)
         for pos, flag in enumerate(stage.input_differentiable):
@@ -749,7 +753,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 for pos in in_positions[e]
             ]
 
-        return place_sends(sends, values_of_edge)
+        return place_sends(sends, values_of_edge, send_position)
 
     def action(state: _TickState, ctx: dict) -> _TickState:
         residual_buf, kept_buf = list(state.residuals), list(state.kept)
@@ -794,7 +798,11 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 if stage_index == graph.loss_stage:
                     loss = loss + outputs[0].astype(loss.dtype)
                 else:
-                    sends = place_sends(sends, lambda e: [outputs[p] for p in out_positions[e]])
+                    sends = place_sends(
+                        sends,
+                        lambda e: [outputs[p] for p in out_positions[e]],
+                        ctx["send_position"],
+                    )
                 writes = {
                     "residual": (residual_buf, ctx["residual_write"]),
                     "kept": (kept_buf, ctx["kept_write"]),
@@ -808,7 +816,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 jaxpr = program.backward_input if kind == BACKWARD_INPUT else program.backward
                 outs = jaxpr_as_fun(jaxpr)(*residuals, *output_cotangents(messages))
                 in_cts, rest = outs[:n_in_cts], outs[n_in_cts:]
-                sends = input_cotangent_sends(sends, in_cts)
+                sends = input_cotangent_sends(sends, in_cts, ctx["send_position"])
                 if kind == BACKWARD_INPUT:
                     for (where, item), value in zip(slots.stash, rest, strict=True):
                         if where == "stash":
@@ -861,9 +869,14 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         for (t, d), k in np.ndenumerate(tables.kind[:, :, lane]):
             if k != IDLE:
                 action[t, d, lane] = index[(int(k), int(tables.stage[t, d, lane]))]
+    blocks = tables.payload_blocks
+    sizes = exchange_sizes(tables)
+    exchange = np.zeros(blocks.shape, np.int32)
+    for (t, k), n in np.ndenumerate(blocks):
+        if n:
+            exchange[t, k] = 1 + sizes[k].index(int(n))
     exchanges = np.broadcast_to(
-        tables.exchanges[:, None, :].astype(np.int32),
-        (tables.num_ticks, tables.num_devices, len(tables.shifts)),
+        exchange[:, None, :], (tables.num_ticks, tables.num_devices, len(tables.shifts))
     )
     return (
         action,
@@ -876,7 +889,18 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
         tables.stash_write,
         tables.message_read,
         tables.message_write,
+        tables.send_position,
         exchanges,
+    )
+
+
+def exchange_sizes(tables: TickTables) -> tuple[tuple[int, ...], ...]:
+    """Returns, per shift, the numbers of payload positions its exchanges move (ascending):
+    the loop has one ``ppermute`` of each size and picks a tick's by its ``exchange`` code
+    (0: none, ``i + 1``: ``sizes[k][i]`` positions)."""
+    blocks = tables.payload_blocks
+    return tuple(
+        tuple(sorted({int(n) for n in blocks[:, k] if n})) for k in range(len(tables.shifts))
     )
 
 
@@ -896,6 +920,7 @@ def _run(
     msg_slots = tables.num_message_slots + 1  # + the spare that absorbs "nothing arrives"
     data_axes = low.data_axes
     always_exchanges = tables.exchanges.all(axis=0)
+    sizes = exchange_sizes(tables)
 
     num_slot_dtypes = len(low.slot_dtypes)
 
@@ -918,7 +943,7 @@ def _run(
         def tick(carry, x):
             residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
-             msg_read, msg_write, exchange) = x  # fmt: skip
+             msg_read, msg_write, send_pos, exchange) = x  # fmt: skip
             state = _TickState(
                 residual_buf,
                 kept_buf,
@@ -953,6 +978,7 @@ def _run(
                     kept_write=kept_write[lane],
                     stash_read=st_read[lane],
                     stash_write=st_write[lane],
+                    send_position=send_pos[lane],
                 )
                 for lane in range(tables.num_lanes)
             ]
@@ -974,18 +1000,34 @@ def _run(
             for k, shift in enumerate(tables.shifts):
                 payload = state.sends[k]
                 if shift:
+                    full = tables.messages_per_shift[k]
                     perm = [
                         (d, (d + shift) % tables.num_devices) for d in range(tables.num_devices)
                     ]
-                    if always_exchanges[k]:
-                        payload = jax.lax.ppermute(payload, axis, perm)
+
+                    def send(q, n, perm=perm, full=full):
+                        # The first n positions travel; the rest arrive as zeros, which the
+                        # tables store in the spare slot.
+                        moved = jax.lax.ppermute(
+                            [p[: n * c] for p, c in zip(q, low.message_capacity, strict=True)],
+                            axis,
+                            perm,
+                        )
+                        return [
+                            jnp.pad(p, (0, (full - n) * c))
+                            for p, c in zip(moved, low.message_capacity, strict=True)
+                        ]
+
+                    if always_exchanges[k] and sizes[k] == (full,):
+                        payload = send(payload, full)
                     else:
-                        # Every device reads the same flag, so all or none enter the
-                        # collective; in a tick where nothing travels, none does and nobody waits.
-                        payload = jax.lax.cond(
-                            exchange[k] > 0,
-                            lambda q, perm=perm: jax.lax.ppermute(q, axis, perm),
-                            lambda q: q,
+                        # Every device reads the same code, so all or none enter the same
+                        # collective; in a tick where nothing travels, none does and nobody
+                        # waits.
+                        payload = jax.lax.switch(
+                            exchange[k],
+                            [lambda q: q]
+                            + [lambda q, n=n, send=send: send(q, n) for n in sizes[k]],
                             payload,
                         )
                 for j in range(tables.messages_per_shift[k]):

@@ -84,10 +84,13 @@ class TickTables:
     ``stash_write`` the stash slot B writes and ``stash_read`` the one W reads (the spare index
     otherwise). ``message_read[t, d, lane, j]`` is the message slot holding the j-th input of
     the action: F's in-edges or B/BW's out-edge cotangents, in edge order (the spare slot past
-    the last). ``message_write[t, d, k, j]`` is where device ``d`` stores the j-th message that
-    arrives over ``shifts[k]`` at the end of tick ``t`` (the spare slot when none arrives). A
-    message sent over shift ``k`` goes from device ``d`` to device ``(d + shifts[k]) %
-    num_devices``; a device sends at most one message per payload position and tick.
+    the last). ``send_position[t, d, lane, j]`` is where in its shift's payload the j-th message
+    the lane's action sends (``outgoing_messages`` order) goes: the messages a device sends over
+    one shift in one tick, from every lane, take consecutive positions and travel in one
+    exchange. ``message_write[t, d, k, j]`` is where device ``d`` stores the message at
+    position ``j`` that arrives over ``shifts[k]`` at the end of tick ``t`` (the spare slot when
+    none arrives). A message sent over shift ``k`` goes from device ``d`` to device ``(d +
+    shifts[k]) % num_devices``.
     """
 
     kind: np.ndarray
@@ -101,6 +104,7 @@ class TickTables:
     stash_write: np.ndarray
     message_read: np.ndarray
     message_write: np.ndarray
+    send_position: np.ndarray
     shifts: tuple[int, ...]
     messages_per_shift: tuple[int, ...]
     num_residual_slots: int
@@ -130,8 +134,17 @@ class TickTables:
         """Returns ``[num_ticks, shifts]`` booleans: whether any message travels over
         ``shifts[k]`` at the end of tick ``t``. The lowering skips the ``ppermute`` (and with it
         the devices' wait for each other) in the ticks where this is False."""
+        return self.payload_blocks > 0
+
+    @property
+    def payload_blocks(self) -> np.ndarray:
+        """Returns ``[num_ticks, shifts]``: how many leading positions of ``shifts[k]``'s
+        payload travel at the end of tick ``t`` (0 where nothing does, or for shift 0, a local
+        copy). The lowering sends those and no more."""
         arrives = self.message_write != self.num_message_slots
-        return arrives.any(axis=(1, 3)) & (np.asarray(self.shifts) != 0)
+        positions = np.arange(1, arrives.shape[3] + 1)
+        blocks = np.where(arrives, positions, 0).max(axis=(1, 3), initial=0)
+        return np.where(np.asarray(self.shifts) != 0, blocks, 0)
 
     @property
     def num_packed(self) -> int:
@@ -222,6 +235,7 @@ def pack_ticks(
     slack: float = 0.0,
     lanes: int = 1,
     kinds: Sequence[str] = WEIGHT_ONLY,
+    share_exchanges: bool = False,
 ) -> dict[Action, tuple[int, int]]:
     """Returns (tick, lane) of every action: lockstep ticks, with more actions packed into lanes.
 
@@ -231,8 +245,11 @@ def pack_ticks(
     actions in lanes ``1..lanes``, while each is of one of ``kinds``, can run (a dependency on
     another stage done at an earlier tick, since messages move at the end of a tick; one on
     its own stage done earlier, at an earlier tick or lane), sends over no shift another of
-    the device's actions sends over in this tick (one message per payload position), and the
-    device's time in the tick stays within the tick's length times ``1 + slack``. Without
+    the device's actions sends over in this tick unless ``share_exchanges`` (then their
+    messages travel together in the tick's exchange), and the device's time in the tick stays
+    within the tick's length times ``1 + slack``. Packing greedily, a tick that takes every
+    sender that fits tends to run late for the next; that is why sharing is optional and
+    ``choose_ticks`` tries both. Without
     ``costs`` nothing is packed (every lane is 0). Raises ``ScheduleError`` when an action is
     placed on the wrong device, a dependency is never scheduled, or the order deadlocks.
     """
@@ -284,7 +301,7 @@ def pack_ticks(
                     cost = costs.of(nxt, num_stages)
                     if (
                         not packable(nxt, lane)
-                        or sent & _sends(shifts, nxt)
+                        or (sent & _sends(shifts, nxt) and not share_exchanges)
                         or used + cost > limit * (1.0 + 1e-9)
                     ):
                         break
@@ -381,14 +398,15 @@ def segment_ticks(
     exchange, between sender and reader) and past ``SEGMENT_STATES`` frontier pairs.
 
     A segment may hold an action only when everything it needs from another stage ran in an
-    earlier segment, at most one action per device that sends a message, and at most ``lanes``
-    actions per device from that sender on; every segment but the last ends in an exchange
-    (some action sends to the other device). It costs its busier device's time plus
-    ``costs.comm`` when it exchanges, which is what ``barrier_time`` charges its ticks. The
+    earlier segment, and at most ``lanes`` actions per device from its first action that sends
+    a message on (every message a device sends in the segment travels in its one exchange);
+    every segment but the last ends in an exchange (some action sends to the other device). It
+    costs its busier device's time plus ``costs.comm`` when it exchanges, which is what
+    ``barrier_time`` charges its ticks. The
     search is exact (dynamic programming over the pairs of frontiers). A segment becomes as few
-    ticks as its senders and ``lanes`` allow: each device's actions one per tick, its sender in
-    the segment's last tick (the only one that exchanges), and what comes after the sender (or,
-    without one, what does not fit before) in lanes of that tick.
+    ticks as its senders and ``lanes`` allow: each device's actions one per tick, its first
+    sender in the segment's last tick (the only one that exchanges), and what comes after it
+    (or, without a sender, what does not fit before) in lanes of that tick.
     ``pack_ticks`` fixes the ticks first and packs into them; this places the exchanges first.
     """
     placement = schedule.placement
@@ -421,9 +439,7 @@ def segment_ticks(
         for i in range(frontier[d], sizes[d]):
             if need[d][i][0] > frontier[0] or need[d][i][1] > frontier[1]:
                 break
-            if sends[d][i]:
-                if sender is not None:
-                    break
+            if sends[d][i] and sender is None:
                 sender = i
             if sender is not None and i - sender >= lanes:
                 break
@@ -461,12 +477,13 @@ def segment_ticks(
     tick = 0
     for start, end in reversed(cuts):
         runs = [programs[d][start[d] : end[d]] for d in range(2)]
-        senders = [  # a run's one sender, if any
+        senders = [  # a run's first sender, if any
             next((k for k in range(len(run)) if sends[d][start[d] + k]), None)
             for d, run in enumerate(runs)
         ]
         # The segment's last tick is the senders'. Before it a device runs an action per tick
-        # (up to its sender, or filling the segment), and the rest in lanes of the last tick.
+        # (up to its first sender, or filling the segment), and the rest in lanes of the last
+        # tick, where every message it sends shares the one exchange.
         length = max(
             1,
             *(
@@ -496,7 +513,8 @@ def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[
     """Returns the packing of ``schedule`` with the least ``barrier_time`` under ``costs``.
 
     Candidates are plain lockstep ticks (no packing), ``pack_ticks`` with each of
-    ``PACKINGS`` and ``PACKING_SLACKS``, and on two devices ``segment_ticks``; a candidate
+    ``PACKINGS`` and ``PACKING_SLACKS``, first keeping a tick's senders on distinct shifts,
+    then letting them share the exchange, and on two devices ``segment_ticks``; a candidate
     must be faster than the earlier ones to win, so plain ticks stay unless packing pays, and
     fewer lanes unless more pay. Without ``costs``: plain lockstep ticks.
     """
@@ -505,9 +523,11 @@ def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[
         return best
     best_time = barrier_time(schedule, best, costs)
     candidates = (
-        pack_ticks(schedule, costs, slack, lanes, kinds)
+        pack_ticks(schedule, costs, slack, lanes, kinds, share)
+        for share in (False, True)
         for kinds, lanes in PACKINGS
         for slack in PACKING_SLACKS
+        if not (share and kinds == WEIGHT_ONLY)  # W sends nothing: the same packing
     )
     for candidate in (*candidates, segment_ticks(schedule, costs)):
         if candidate is None:
@@ -664,8 +684,8 @@ def tick_tables(
     tick's main one (``choose_ticks``, ``plan_ticks``); by default every tick runs one action
     per device (``pack_ticks`` without costs). Raises ``ScheduleError`` when ``positions``
     runs an action before its data (another stage's at an earlier tick, its own stage's at an
-    earlier tick or lane), puts two actions of a device in one lane, or has a device send two
-    messages over one shift in a tick.
+    earlier tick or lane), runs a device's actions out of the schedule's order, or puts two
+    actions of a device in one lane of a tick.
     """
     if edges is None:
         edges = tuple(MessageEdge(a, b) for a, b in schedule.edges)
@@ -726,21 +746,29 @@ def tick_tables(
     num_stash_slots = max((n for _, n in stash_slots), default=0)
 
     # Messages live from the tick they are sent until the tick they are read, on the reader.
+    # The messages a device sends over one shift in one tick take the payload's positions in
+    # lane order (within an action, in ``outgoing_messages`` order).
     sends: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+    send_at: dict[tuple[int, int, int, int], int] = {}  # (tick, device, lane, j) -> position
+    taken: dict[tuple[int, int, int], int] = {}  # (tick, device, shift) -> positions taken
     message_intervals: list[list] = [[] for _ in range(num_devices)]
-    for action, tick in tick_of.items():
+    max_sends = 0
+    for action, (sent, lane) in sorted(positions.items(), key=lambda item: item[1]):
         if action.kind == "W":
             continue
         backward = action.kind != "F"
-        for shift, position, e in outgoing_messages(
-            edges, placement, num_devices, action.stage, backward
-        ):
+        sender = placement[action.stage]
+        outgoing = outgoing_messages(edges, placement, num_devices, action.stage, backward)
+        max_sends = max(max_sends, len(outgoing))
+        for j, (shift, _, e) in enumerate(outgoing):
             edge = edges[e]
             reader_stage = edge.src if backward else edge.dst
             reader_kind = kinds.get((reader_stage, action.microbatch), "B") if backward else "F"
             reader = Action(reader_kind, reader_stage, action.microbatch)
             key = (e, action.microbatch, int(backward))
-            sent = tick // num_phases
+            position = taken.get((sent, sender, shift), 0)
+            taken[(sent, sender, shift)] = position + 1
+            send_at[(sent, sender, lane, j)] = position
             sends[key] = (sent, shift, position, placement[reader_stage])
             stored = sent * num_phases + num_phases - 1
             message_intervals[placement[reader_stage]].append((stored, tick_of[reader], key))
@@ -764,22 +792,6 @@ def tick_tables(
         default=0,
     )
 
-    # One message per payload position and tick: two actions of a device that send over the
-    # same shift in one tick would overwrite each other's payload.
-    payload_users: dict[tuple[int, int, int, int], str] = {}
-    for (e, i, backward), (tick, shift, position, reader_device) in sends.items():
-        sender = (reader_device - shift) % num_devices
-        key = (tick, sender, shift, position)
-        what = "cotangents" if backward else "values"
-        message = f"edge {edges[e].src}->{edges[e].dst} {what} of microbatch {i}"
-        if key in payload_users:
-            raise ScheduleError(
-                f"positions: device {sender} sends two messages over shift {shift} at tick "
-                f"{tick} ({payload_users[key]} and {message}); pack "
-                "actions that send over the same shift into different ticks"
-            )
-        payload_users[key] = message
-
     shape = (num_ticks, num_devices, num_lanes)
     kind = np.zeros(shape, np.int32)
     stage = np.zeros(shape, np.int32)
@@ -794,6 +806,9 @@ def tick_tables(
     message_write = np.full(
         (num_ticks, num_devices, len(shifts), max_per_shift), num_message_slots, np.int32
     )
+    send_position = np.zeros(shape + (max_sends,), np.int32)
+    for at, position in send_at.items():
+        send_position[at] = position
     for action, (tick, lane) in positions.items():
         s, i = action.stage, action.microbatch
         at = (tick, placement[s], lane)
@@ -830,6 +845,7 @@ def tick_tables(
         stash_write=stash_write,
         message_read=message_read,
         message_write=message_write,
+        send_position=send_position,
         shifts=shifts,
         messages_per_shift=tuple(messages_per_shift),
         num_residual_slots=num_residual_slots,
