@@ -941,7 +941,7 @@ def _run(
         ]
 
         def tick(carry, x):
-            residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
+            residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum, overlay = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
              msg_read, msg_write, send_pos, exchange) = x  # fmt: skip
             state = _TickState(
@@ -957,10 +957,7 @@ def _run(
                     for n in tables.messages_per_shift
                 ],
                 jnp.zeros((), loss_aval.dtype),
-                [
-                    jnp.zeros(c, dt)
-                    for dt, c in zip(low.slot_dtypes, low.overlay_capacity, strict=True)
-                ],
+                overlay,
             )
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
@@ -1044,13 +1041,21 @@ def _run(
                 state.grads,
                 message_buf,
                 loss_sum + state.loss,
+                state.overlay,
             )
             return carry, None
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
         zero = jnp.zeros((), loss_aval.dtype)
-        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, zero)
-        (residual_buf, kept_buf, stash_buf, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
+        # What a B stashes over its residual slot, carried from tick to tick: a buffer made
+        # afresh in every tick would be filled with zeros in every conditional it passes.
+        overlay = [
+            jnp.zeros(c, dt) for dt, c in zip(low.slot_dtypes, low.overlay_capacity, strict=True)
+        ]
+        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, zero, overlay)
+        (residual_buf, kept_buf, stash_buf, grads, _, loss_sum, _), _ = jax.lax.scan(
+            tick, carry, xs
+        )
         loss = jax.lax.psum(loss_sum, axis) / num_micro
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
