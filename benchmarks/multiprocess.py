@@ -93,14 +93,15 @@ def worker(
     # The pipelines plan their ticks by these costs, the exchange as each tick's comm, and
     # every process must build the same program: all take process 0's.
     shared = multihost_utils.broadcast_one_to_all(
-        np.array([*costs.f, *costs.b, *costs.w, exchange])
+        np.array([*costs.f, *costs.b, *costs.w, *costs.bw, exchange])
     )
     n = len(costs.f)
     values = [float(x) for x in np.asarray(shared)]
-    costs = schedules.Costs(
-        tuple(values[:n]), tuple(values[n : 2 * n]), tuple(values[2 * n : 3 * n]), values[-1]
-    )
-    result: dict = {"costs_ms": [[1e3 * x for x in c] for c in (costs.f, costs.b, costs.w)]}
+    f, b, w, bw = (tuple(values[k * n : (k + 1) * n]) for k in range(4))
+    costs = schedules.Costs(f, b, w, values[-1], bw=bw)
+    result: dict = {
+        "costs_ms": [[1e3 * x for x in c] for c in (costs.f, costs.b, costs.w, costs.bw)]
+    }
     result["ppermute_ms"] = 1e3 * costs.comm
     result["m"] = {}
     for m in microbatches:
@@ -185,7 +186,7 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
     """Returns the markdown of the "multiprocess" section."""
     from bw_split import machine_load
 
-    f, b, w = result["costs_ms"]
+    f, b, w, bw = result["costs_ms"]
     lines = [
         "## Step time with one core per device: two pinned processes over jax.distributed",
         "",
@@ -194,7 +195,8 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "CPU device, joined by `jax.distributed` (gloo over TCP); `step_time`'s MLP (2 stages of 8 "
         "Dense(128), 1024 rows per microbatch). Stage costs measured on one core alone: "
         + "; ".join(
-            f"stage {s}: F {f[s]:.2f} / B {b[s]:.2f} / W {w[s]:.2f} ms" for s in range(len(f))
+            f"stage {s}: F {f[s]:.2f} / B {b[s]:.2f} / W {w[s]:.2f} / fused BW {bw[s]:.2f} ms"
+            for s in range(len(f))
         )
         + f". One tick's `ppermute` of a microbatch's activations (512 kB each way) between the "
         f"processes: {result['ppermute_ms']:.2f} ms. Steps alternate round by round ({rounds} "

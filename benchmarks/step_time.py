@@ -614,9 +614,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({off:+.1%}, {'within' if abs(off) <= TARGET_TOLERANCE else 'NOT within'} "
             f"{TARGET_TOLERANCE:.0%}; contended lockstep predicts {contended:.3f})"
         )
+        fused = costs.fused_per_stage(len(costs.f))
         cost_text = ", ".join(
             f"stage {s}: F {costs.f[s] * 1e3:.2f} / B {costs.b[s] * 1e3:.2f} / "
-            f"W {costs.w[s] * 1e3:.2f} ms"
+            f"W {costs.w[s] * 1e3:.2f} / fused BW {fused[s] * 1e3:.2f} ms"
             for s in range(len(costs.f))
         )
         sections += [
@@ -650,8 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "median over rounds of the ratio within the round. Predictions simulate the very "
             "schedule that ran with per-stage costs measured in this process (F, B, W each "
             "jitted alone, several runs per timed call in a loop writing into carried buffers "
-            "as the tick loop does, `zbjax.profile.looped`; BW = B + W): *makespan* is "
-            "`simulate(...).makespan`, what one "
+            "as the tick loop does, `zbjax.profile.looped`; the fused backward BW timed the "
+            "same way, `Costs.bw`): *makespan* is `simulate(...).makespan`, what one "
             "isolated step takes and therefore what the target uses; *span* is the throughput "
             "the span bubble implies (`span_bubble_rate`: steady state with successive steps "
             "overlapping, which a single jitted step does not do); *lockstep* is how the "

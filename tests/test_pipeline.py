@@ -286,7 +286,7 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     mesh = jax.make_mesh((2, 2), ("pp", "data"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4)
     costs = pipe.measure_costs(params, batch, repeats=3)
-    for times in (costs.f, costs.b, costs.w):
+    for times in (costs.f, costs.b, costs.w, costs.bw):
         assert len(times) == 2 and all(0 < t < 1 for t in times)
     # Every device is this process's, so one tick's exchange is timed too.
     assert 0 < costs.comm < 1

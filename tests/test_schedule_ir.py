@@ -109,6 +109,20 @@ def test_costs_expand_scalars_and_lists_per_stage():
     assert c.of(Action("F", 0, 0), 2) == 1.0
 
 
+def test_fused_backward_costs_b_plus_w_unless_measured():
+    c = Costs(f=1.0, b=[2.0, 3.0], w=0.5)
+    assert c.fused_per_stage(2) == (2.5, 3.5)
+    measured = Costs(f=1.0, b=[2.0, 3.0], w=0.5, bw=[2.25, 3.0])
+    assert measured.bw == (2.25, 3.0)
+    assert measured.of(Action("BW", 0, 0), 2) == 2.25
+    assert measured.of(Action("B", 0, 0), 2) == 2.0  # B and W keep their own costs
+    assert Costs(bw=1.5).fused_per_stage(3) == (1.5, 1.5, 1.5)
+    with pytest.raises(ScheduleError, match="costs.bw has 1 entries but there are 2 stages"):
+        Costs(bw=[1.0]).of(Action("BW", 0, 0), 2)
+    with pytest.raises(ScheduleError, match="costs.bw = -1.0 is negative"):
+        Costs(bw=-1.0).fused_per_stage(1)
+
+
 def test_costs_reject_wrong_lengths_negative_and_nan():
     with pytest.raises(ScheduleError, match="costs.f has 3 entries but there are 2 stages"):
         Costs(f=[1, 1, 1]).per_stage(2)

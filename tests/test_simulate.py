@@ -55,6 +55,13 @@ def test_per_stage_costs_are_used_per_stage():
     assert r.end[A("0BW0")] == 8.0
 
 
+def test_fused_backward_lasts_its_measured_cost_where_given():
+    s = _chain("d0: 0F0 0BW0\nd1: 1F0 1BW0")
+    r = simulate(s, Costs(f=[1.0, 3.0], b=[1.0, 2.0], w=[0.0, 1.0], bw=[0.5, 2.5]))
+    assert r.end[A("1BW0")] == 6.5  # 1F0 ends at 4, then 2.5 (not b + w = 3)
+    assert r.end[A("0BW0")] == 7.0
+
+
 def test_default_costs_are_one_per_action_and_no_comm():
     r = simulate(build("gpipe", 2, 2))
     # F: 0F0 0F1 / 1F0 1F1 from t=1; BW costs 2.

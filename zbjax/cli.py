@@ -82,7 +82,13 @@ def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
         "stage_names": list(schedule.stage_names) if schedule.stage_names else None,
         "mem_limit": schedule.mem_limit,
         "w_mem": schedule.w_mem,
-        "costs": {"f": costs.f, "b": costs.b, "w": costs.w, "comm": costs.comm},
+        "costs": {
+            "f": costs.f,
+            "b": costs.b,
+            "w": costs.w,
+            "comm": costs.comm,
+            **({} if costs.bw is None else {"bw": costs.bw}),
+        },
         "actions": [[str(a) for a in program] for program in schedule.actions],
     }
 

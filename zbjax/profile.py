@@ -192,13 +192,13 @@ def measure_stage_costs(
     batch_leaves: Sequence[jax.Array],
     repeats: int = 10,
 ) -> Costs:
-    """Returns per-stage median seconds of F, B and W, each jitted alone on the device the
-    arguments are on and run ``LOOP_RUNS`` times in a loop per timed call (``looped``), the
-    calls alternating ``repeats`` times (``batch_leaves``: one microbatch, as the stage graph
-    numbers them)."""
+    """Returns per-stage median seconds of F, B, W and the fused backward BW (``Costs.bw``),
+    each jitted alone on the device the arguments are on and run ``LOOP_RUNS`` times in a loop
+    per timed call (``looped``), the calls alternating ``repeats`` times (``batch_leaves``: one
+    microbatch, as the stage graph numbers them)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; it must be at least 1")
-    f, b, w = [], [], []
+    f, b, w, bw = [], [], [], []
     for index, program in enumerate(programs):
         forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
         num_in = sum(graph.stages[index].input_differentiable)
@@ -211,12 +211,14 @@ def measure_stage_costs(
             (looped(jaxpr_as_fun(program.forward)), forward_args),
             (backward_input, args),
             (backward_weight, (residuals, new)),
+            (looped(jaxpr_as_fun(program.backward)), args),
         ]
-        tf, tb, tw = (t / LOOP_RUNS for t in median_times(calls, repeats))
+        tf, tb, tw, tbw = (t / LOOP_RUNS for t in median_times(calls, repeats))
         f.append(tf)
         b.append(tb)
         w.append(tw)
-    return Costs(tuple(f), tuple(b), tuple(w), 0.0)
+        bw.append(tbw)
+    return Costs(tuple(f), tuple(b), tuple(w), 0.0, bw=tuple(bw))
 
 
 def measure_exchange(low: Lowering, repeats: int = 10, ticks: int = 20) -> float:

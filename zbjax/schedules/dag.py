@@ -139,6 +139,7 @@ def _list_schedule(
     num_stages, num_devices = len(placement), max(placement) + 1
     preds, succs = _graph(num_stages, edges)
     f, b, w = costs.per_stage(num_stages)
+    fused = costs.fused_per_stage(num_stages)
     comm = costs.comm
     backward = "B" if split else "BW"
     stages_on = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
@@ -183,7 +184,7 @@ def _list_schedule(
         return back, fwd, wgt
 
     def duration(kind: str, s: int) -> float:
-        return {"F": f[s], "B": b[s], "W": w[s], "BW": b[s] + w[s]}[kind]
+        return {"F": f[s], "B": b[s], "W": w[s], "BW": fused[s]}[kind]
 
     stalled_rounds = 0
     while any(remaining):

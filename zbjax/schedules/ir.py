@@ -177,23 +177,34 @@ def _costs_per_stage(costs: Costs, num_stages: int) -> tuple[tuple[float, ...], 
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _fused_per_stage(costs: Costs, num_stages: int) -> tuple[float, ...]:
+    if costs.bw is not None:
+        return _per_stage("bw", costs.bw, num_stages)
+    _, b, w = _costs_per_stage(costs, num_stages)
+    return tuple(x + y for x, y in zip(b, w, strict=True))
+
+
 @dataclass(frozen=True)
 class Costs:
     """Time of F, B and W per stage and microbatch (scalars or per-stage lists), and comm.
 
     ``comm`` is the delay between an action ending on one device and a dependent action on
-    another device being able to start. BW (fused backward) costs ``b + w``.
+    another device being able to start. ``bw`` is the time of the fused backward (BW); by
+    default ``b + w``. Measured, it is often less: the fused backward neither writes W's
+    stash nor reads it back (``Pipeline.measure_costs`` times it).
     """
 
     f: float | tuple[float, ...] = 1.0
     b: float | tuple[float, ...] = 1.0
     w: float | tuple[float, ...] = 1.0
     comm: float = 0.0
+    bw: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w"):
+        for name in ("f", "b", "w", "bw"):
             value = getattr(self, name)
-            if not isinstance(value, int | float):
+            if value is not None and not isinstance(value, int | float):
                 object.__setattr__(self, name, tuple(float(v) for v in value))
         if not self.comm >= 0:
             raise ScheduleError(f"costs.comm = {self.comm} is negative; it must be >= 0")
@@ -203,11 +214,17 @@ class Costs:
         and number of stages: ``of`` runs on every action of every packing tried)."""
         return _costs_per_stage(self, num_stages)
 
+    def fused_per_stage(self, num_stages: int) -> tuple[float, ...]:
+        """Returns the per-stage time of BW: ``bw`` where given, else ``b + w``."""
+        return _fused_per_stage(self, num_stages)
+
     def of(self, action: Action, num_stages: int) -> float:
         """Returns the duration of ``action``."""
+        if action.kind == "BW":
+            return self.fused_per_stage(num_stages)[action.stage]
         f, b, w = self.per_stage(num_stages)
         s = action.stage
-        return {"F": f[s], "B": b[s], "W": w[s], "BW": b[s] + w[s]}[action.kind]
+        return {"F": f[s], "B": b[s], "W": w[s]}[action.kind]
 
 
 @dataclass(frozen=True)

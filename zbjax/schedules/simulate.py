@@ -81,6 +81,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """
     costs = costs or Costs()
     f, b, w = costs.per_stage(schedule.num_stages)
+    fused = costs.fused_per_stage(schedule.num_stages)
     duration = {"F": f, "B": b, "W": w}
     placement = schedule.placement
     scheduled = {a for _, _, a in schedule.all_actions()}
@@ -113,7 +114,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                     break
                 s = action.stage
                 if action.kind == "BW":
-                    length = b[s] + w[s]
+                    length = fused[s]
                 else:
                     length = duration[action.kind][s]
                 start[action] = ready
