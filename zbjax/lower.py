@@ -941,7 +941,7 @@ def _run(
         ]
 
         def tick(carry, x):
-            residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum, overlay = carry
+            residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
              msg_read, msg_write, send_pos, exchange) = x  # fmt: skip
             state = _TickState(
@@ -957,7 +957,10 @@ def _run(
                     for n in tables.messages_per_shift
                 ],
                 jnp.zeros((), loss_aval.dtype),
-                overlay,
+                [
+                    jnp.zeros(c, dt)
+                    for dt, c in zip(low.slot_dtypes, low.overlay_capacity, strict=True)
+                ],
             )
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
@@ -983,12 +986,20 @@ def _run(
                 for lane, keys in enumerate(lane_keys):
                     for i, key in enumerate(keys):
                         if KIND_NAMES[key[0]] == kind:
-                            state = jax.lax.cond(
+                            # Only a B that stashes over its residual slot gets the overlay
+                            # payload: passed through every conditional, its zeros were made
+                            # afresh in each (XLA sinks them into the branches).
+                            writes = key[0] == BACKWARD_INPUT and low.slot_layouts[key[1]].overlay
+                            given = state if writes else dataclasses.replace(state, overlay=[])
+                            out = jax.lax.cond(
                                 code[lane] == i + 1,
                                 made[key],
                                 lambda state, ctx: state,
-                                state,
+                                given,
                                 contexts[lane],
+                            )
+                            state = (
+                                out if writes else dataclasses.replace(out, overlay=state.overlay)
                             )
                     if kind == "B" and any(low.overlay_capacity):
                         state = _write_overlay(low, state, keys, code[lane], res_read[lane])
@@ -1041,21 +1052,13 @@ def _run(
                 state.grads,
                 message_buf,
                 loss_sum + state.loss,
-                state.overlay,
             )
             return carry, None
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
         zero = jnp.zeros((), loss_aval.dtype)
-        # What a B stashes over its residual slot, carried from tick to tick: a buffer made
-        # afresh in every tick would be filled with zeros in every conditional it passes.
-        overlay = [
-            jnp.zeros(c, dt) for dt, c in zip(low.slot_dtypes, low.overlay_capacity, strict=True)
-        ]
-        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, zero, overlay)
-        (residual_buf, kept_buf, stash_buf, grads, _, loss_sum, _), _ = jax.lax.scan(
-            tick, carry, xs
-        )
+        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, zero)
+        (residual_buf, kept_buf, stash_buf, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         loss = jax.lax.psum(loss_sum, axis) / num_micro
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.

@@ -249,9 +249,9 @@ def pack_ticks(
     messages travel together in the tick's exchange), and the device's time in the tick stays
     within the tick's length times ``1 + slack``. Packing greedily, a tick that takes every
     sender that fits tends to run late for the next; that is why sharing is optional and
-    ``choose_ticks`` tries both. Without
-    ``costs`` nothing is packed (every lane is 0). Raises ``ScheduleError`` when an action is
-    placed on the wrong device, a dependency is never scheduled, or the order deadlocks.
+    ``choose_ticks`` tries both. Without ``costs`` nothing is packed (every lane is 0). Raises
+    ``ScheduleError`` when an action is placed on the wrong device, a dependency is never
+    scheduled, or the order deadlocks.
     """
     deps = _checked_dependencies(schedule)
     shifts = _send_shifts(schedule)
@@ -402,12 +402,12 @@ def segment_ticks(
     a message on (every message a device sends in the segment travels in its one exchange);
     every segment but the last ends in an exchange (some action sends to the other device). It
     costs its busier device's time plus ``costs.comm`` when it exchanges, which is what
-    ``barrier_time`` charges its ticks. The
-    search is exact (dynamic programming over the pairs of frontiers). A segment becomes as few
-    ticks as its senders and ``lanes`` allow: each device's actions one per tick, its first
-    sender in the segment's last tick (the only one that exchanges), and what comes after it
-    (or, without a sender, what does not fit before) in lanes of that tick.
-    ``pack_ticks`` fixes the ticks first and packs into them; this places the exchanges first.
+    ``barrier_time`` charges its ticks. The search is exact (dynamic programming over the pairs
+    of frontiers). A segment becomes as few ticks as its senders and ``lanes`` allow: each
+    device's actions one per tick, its first sender in the segment's last tick (the only one
+    that exchanges), and what comes after it (or, without a sender, what does not fit before)
+    in lanes of that tick. ``pack_ticks`` fixes the ticks first and packs into them; this
+    places the exchanges first.
     """
     placement = schedule.placement
     if schedule.num_devices != 2 or any(placement[a] == placement[b] for a, b in schedule.edges):
@@ -590,8 +590,10 @@ def outgoing_messages(
     """Returns (shift, position, edge index) of every message F (or B/BW) of ``stage`` sends.
 
     F sends each out-edge's values to the edge's destination; B/BW sends each in-edge's
-    cotangents (when it has any) back to its source. ``position`` numbers the messages that
-    share a shift, in edge order: it is where the message sits in that shift's payload.
+    cotangents (when it has any) back to its source. ``position`` numbers the action's
+    messages that share a shift, in edge order; ``tick_tables`` puts them in that order into
+    the shift's payload, after those of the device's earlier lanes in the tick
+    (``TickTables.send_position``).
     """
     sends = []
     count: dict[int, int] = {}

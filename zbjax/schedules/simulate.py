@@ -81,8 +81,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """
     costs = costs or Costs()
     f, b, w = costs.per_stage(schedule.num_stages)
-    fused = costs.fused_per_stage(schedule.num_stages)
-    duration = {"F": f, "B": b, "W": w}
+    duration = {"F": f, "B": b, "W": w, "BW": costs.fused_per_stage(schedule.num_stages)}
     placement = schedule.placement
     scheduled = {a for _, _, a in schedule.all_actions()}
     kinds = backward_kinds(schedule)
@@ -112,11 +111,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                     ready = max(ready, end[dep] + delay)
                 if blocked:
                     break
-                s = action.stage
-                if action.kind == "BW":
-                    length = fused[s]
-                else:
-                    length = duration[action.kind][s]
+                length = duration[action.kind][action.stage]
                 start[action] = ready
                 end[action] = ready + length
                 free[device] = ready + length
