@@ -327,28 +327,41 @@ def test_fan_out_and_fan_in_edges_route_activations_and_cotangents(placement, sp
     assert_matches(result, loss_fn, params, batch)
 
 
-def test_packed_ticks_route_a_diamonds_messages_and_equal_value_and_grad():
-    # Stages 1 and 2 share device 1 and both send cotangents to stage 0 over the same shift:
-    # packing puts B and W after short actions. Under these costs the packings that keep a
-    # tick's senders on distinct shifts win (``choose_ticks`` tries them first), so both Bs
-    # never share a tick; the next test makes them.
+def packed_diamond():
+    """Returns (lowering, result, check) of the diamond with stages 1 and 2 on device 1, its
+    ticks planned by costs under which B and W pack after short actions; ``check()`` asserts
+    the result equals value_and_grad."""
     specs, edges, params, loss_fn = dag_model()
     batch = make_batch(3)
     graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
     schedule = dag_schedule((0, 1, 1, 0), 3, split_backward=True)
     costs = schedules.Costs((1.0, 2.0, 1.0, 1.5), (0.1, 1.0, 2.0, 1.0), (1.0, 1.0, 0.5, 1.0))
     low, result = run_lowered(graph, programs, schedule, params, batch, costs)
+    return low, result, lambda: assert_matches(result, loss_fn, params, batch)
+
+
+def backward_input_stages(tables, tick: int, device: int) -> list[int]:
+    """Returns the stages whose B ``device`` runs in ``tick``, lane by lane."""
+    return [
+        int(tables.stage[tick, device, lane])
+        for lane in range(tables.num_lanes)
+        if KIND_NAMES.get(int(tables.kind[tick, device, lane])) == "B"
+    ]
+
+
+def test_packed_ticks_route_a_diamonds_messages_and_equal_value_and_grad():
+    # Stages 1 and 2 share device 1 and both send cotangents to stage 0 over the same shift:
+    # packing puts B and W after short actions. Under these costs the packings that keep a
+    # tick's senders on distinct shifts win (``choose_ticks`` tries them first), so both Bs
+    # never share a tick; the next test makes them.
+    low, _, check = packed_diamond()
     tables = low.tables
     packed = {KIND_NAMES[int(k)] for k in tables.kind[:, :, 1:].ravel() if k != IDLE}
     assert "B" in packed
     for t in range(tables.num_ticks):
-        backward_stages = [
-            int(tables.stage[t, 1, lane])
-            for lane in range(tables.num_lanes)
-            if KIND_NAMES.get(int(tables.kind[t, 1, lane])) == "B"
-        ]
+        backward_stages = backward_input_stages(tables, t, 1)
         assert len(backward_stages) <= 1, (t, backward_stages)
-    assert_matches(result, loss_fn, params, batch)
+    check()
 
 
 def test_messages_of_two_lanes_share_a_ticks_exchange_and_equal_value_and_grad(monkeypatch):
@@ -358,23 +371,15 @@ def test_messages_of_two_lanes_share_a_ticks_exchange_and_equal_value_and_grad(m
         return ticks.pack_ticks(schedule, costs, 2.0, 2, ticks.ANY_KIND, share_exchanges=True)
 
     monkeypatch.setattr(ticks, "choose_ticks", shared)
-    specs, edges, params, loss_fn = dag_model()
-    batch = make_batch(3)
-    graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
-    schedule = dag_schedule((0, 1, 1, 0), 3, split_backward=True)
-    costs = schedules.Costs((1.0, 2.0, 1.0, 1.5), (0.1, 1.0, 2.0, 1.0), (1.0, 1.0, 0.5, 1.0))
-    low, result = run_lowered(graph, programs, schedule, params, batch, costs)
+    low, _, check = packed_diamond()
     tables = low.tables
     both = [
-        t
-        for t in range(tables.num_ticks)
-        if {int(tables.stage[t, 1, lane]) for lane in range(tables.num_lanes)
-            if KIND_NAMES.get(int(tables.kind[t, 1, lane])) == "B"} == {1, 2}
-    ]  # fmt: skip
+        t for t in range(tables.num_ticks) if set(backward_input_stages(tables, t, 1)) == {1, 2}
+    ]
     assert both, "no tick runs both Bs"
     k = tables.shifts.index(1)  # device 1 -> device 0 (of 2)
     assert all(tables.payload_blocks[t, k] == 2 for t in both)
-    assert_matches(result, loss_fn, params, batch)
+    check()
 
 
 def test_lowered_scan_inputs_read_back_as_the_schedule_action_for_action():

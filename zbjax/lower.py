@@ -609,6 +609,14 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _stashes_over_slot(low: Lowering, key: tuple[int, int]) -> bool:
+    """Returns whether action ``key`` = (kind, stage) is a B that writes W's stash over its
+    residual slot (``slot_layout``'s overlay): the one kind of action that fills the tick
+    state's overlay payload."""
+    kind, stage = key
+    return kind == BACKWARD_INPUT and low.slot_layouts[stage].overlay
+
+
 def _write_overlay(
     low: Lowering, state: _TickState, keys: Sequence, code: jax.Array, slot: jax.Array
 ) -> _TickState:
@@ -619,11 +627,7 @@ def _write_overlay(
     branch that read and wrote the pool would make XLA copy it every tick. This conditional
     only writes the pool, as F's does, which XLA does in place.
     """
-    codes = [
-        i + 1
-        for i, (kind, stage) in enumerate(keys)
-        if kind == BACKWARD_INPUT and low.slot_layouts[stage].overlay
-    ]
+    codes = [i + 1 for i, key in enumerate(keys) if _stashes_over_slot(low, key)]
     if not codes:
         return state
 
@@ -989,7 +993,7 @@ def _run(
                             # Only a B that stashes over its residual slot gets the overlay
                             # payload: passed through every conditional, its zeros were made
                             # afresh in each (XLA sinks them into the branches).
-                            writes = key[0] == BACKWARD_INPUT and low.slot_layouts[key[1]].overlay
+                            writes = _stashes_over_slot(low, key)
                             given = state if writes else dataclasses.replace(state, overlay=[])
                             out = jax.lax.cond(
                                 code[lane] == i + 1,
