@@ -110,12 +110,6 @@ def test_every_action_runs_before_the_ticks_ppermute(schedule, packed):
     if not packed:
         assert sorted(main) == sorted(pipe_actions(schedule))
     expected = sum(len(branch_keys(tables, lane)) - 1 for lane in range(tables.num_lanes))
-    # Plus, per lane running a B that overlays W's stash, the conditional writing it.
-    layouts = pipe.lowering.slot_layouts
-    expected += sum(
-        any(KIND_NAMES[k] == "B" and layouts[st].overlay for k, st in branch_keys(tables, lane)[1:])
-        for lane in range(tables.num_lanes)
-    )
     loop_text = text[: text.index("\nENTRY ")]
     computations = re.split(r"\n(?=\S)", loop_text)
     # Some ticks send nothing, so the ppermute sits in a conditional of its own (taken in the

@@ -5,8 +5,8 @@ device runs at most one action (F, B, W or BW of one stage). The actions are a s
 two-way ``lax.cond``s, one per (kind, stage), of which the tick's action code selects one; an
 action reads and updates the device's buffers in place: F writes its residuals into a residual
 slot (those only B reads) and a kept slot (those W reads too), B reads both and writes what W
-needs beyond them into a stash slot (or returns it, and the tick writes it over the residuals
-only B read: ``slot_layout``'s overlay), W reads the kept and stash slots, W and BW add their
+needs beyond them into a stash slot (or over the residuals only B read: ``slot_layout``'s
+overlay), W reads the kept and stash slots, W and BW add their
 weight gradients into the device's gradient row, and F, B and BW put the messages they send into
 the tick's send payloads, at the positions the tables give them (the messages a device sends
 over one shift in one tick, from any of its lanes, share one exchange). Then every payload moves
@@ -481,8 +481,8 @@ def _capacities(
 
 
 #: ``_slots_and_tables`` overlays W's stash on B's residuals only when that saves at least this
-#: share of the slot bytes: B writes the stash twice then, which made zb-h2 on the pinned-process
-#: MLP (``benchmarks/multiprocess.py``) 12-13 % slower for 7 % fewer bytes.
+#: share of the slot bytes: B's outputs are then materialized before it writes the stash (see
+#: ``_make_action``), and W reads it from the larger residual pool.
 OVERLAY_MIN_SAVING = 0.1
 
 #: The (``whole``, ``overlay``) of ``slot_layout`` that ``_slots_and_tables`` weighs.
@@ -505,8 +505,7 @@ def _slots_and_tables(
     every stage keeps its whole residual slot until W, or each stage decides by how much of its
     slot W reads; each with B's stash in stash slots or over B's residuals in the residual slot.
     A tie keeps the earlier candidate. An overlaid stash is taken only when it holds at least
-    ``OVERLAY_MIN_SAVING`` fewer bytes than the best layout with stash slots: B then writes its
-    stash twice (into its payload, then over the slot).
+    ``OVERLAY_MIN_SAVING`` fewer bytes than the best layout with stash slots.
     """
     best: dict[bool, tuple] = {}
     separate_w = any(a.kind == "W" for _, _, a in schedule.all_actions())
@@ -599,50 +598,13 @@ class _TickState:
     grads: list  # per param dtype, the device's gradient row
     sends: list  # per shift, per message dtype, the payload to send
     loss: jax.Array
-    overlay: list  # per slot dtype, what B stashes over its residuals (overlay capacity)
 
 
 jax.tree_util.register_dataclass(
     _TickState,
-    data_fields=["residuals", "kept", "stash", "grads", "sends", "loss", "overlay"],
+    data_fields=["residuals", "kept", "stash", "grads", "sends", "loss"],
     meta_fields=[],
 )
-
-
-def _stashes_over_slot(low: Lowering, key: tuple[int, int]) -> bool:
-    """Returns whether action ``key`` = (kind, stage) is a B that writes W's stash over its
-    residual slot (``slot_layout``'s overlay): the one kind of action that fills the tick
-    state's overlay payload."""
-    kind, stage = key
-    return kind == BACKWARD_INPUT and low.slot_layouts[stage].overlay
-
-
-def _write_overlay(
-    low: Lowering, state: _TickState, keys: Sequence, code: jax.Array, slot: jax.Array
-) -> _TickState:
-    """Returns ``state`` with what a lane's B stashed written over its residual slot's overlay
-    region, when the lane ran such a B.
-
-    B's branch only reads the residual pool and returns the stash as a small payload: a
-    branch that read and wrote the pool would make XLA copy it every tick. This conditional
-    only writes the pool, as F's does, which XLA does in place.
-    """
-    codes = [i + 1 for i, key in enumerate(keys) if _stashes_over_slot(low, key)]
-    if not codes:
-        return state
-
-    def write(state: _TickState) -> _TickState:
-        residuals = list(state.residuals)
-        for k, size in enumerate(low.overlay_capacity):
-            if size:
-                start = (slot, low.residual_capacity[k] - size)
-                residuals[k] = jax.lax.dynamic_update_slice(
-                    residuals[k], state.overlay[k][None], start
-                )
-        return dataclasses.replace(state, residuals=residuals)
-
-    ran = jnp.any(code == jnp.asarray(codes, code.dtype))
-    return jax.lax.cond(ran, write, lambda state: state, state)
 
 
 def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
@@ -677,12 +639,16 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
 
     It takes the tick state and returns it updated in place: F writes its residuals into a
     residual slot and a kept slot, B reads them and writes the rest of W's stash into a stash
-    slot (or, overlaid, into the state's payload that ``_write_overlay`` puts over its residual
-    slot), W reads the kept and stash slots, W and BW add their weight gradient into the
-    gradient row; F, B and BW put the messages they send into the
-    send payloads. No action reads and writes the same slot pool, which lets XLA keep every
-    buffer in place through the conditional that runs the action (a buffer read and written
-    by one conditional branch, or a multi-way switch, makes XLA copy it every tick).
+    slot (or, overlaid, over the residuals of its slot that only it read), W reads the kept
+    and stash slots, W and BW add their weight gradient into the gradient row; F, B and BW put
+    the messages they send into the send payloads. XLA keeps every buffer in place through
+    the conditional that runs the action only when no branch reads a pool after writing it,
+    as far as data dependencies tell (otherwise it copies the pool every tick): F and W read
+    pools they do not write, and an overlaid B runs its backward in a nested conditional (a
+    predicate that is always true at run time) whose outputs are whole buffers, so that every
+    read of the residual pool is done before the stash is written over it. Without the nested
+    conditional XLA fuses reads of the pool into the writes and into work it schedules after
+    them, and copies the pool.
     """
     graph, tables, layout = low.graph, low.tables, low.layout
     edges = tables.edges
@@ -762,7 +728,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     def action(state: _TickState, ctx: dict) -> _TickState:
         residual_buf, kept_buf = list(state.residuals), list(state.kept)
         stash_buf, grads = list(state.stash), list(state.grads)
-        sends, loss, overlay = state.sends, state.loss, list(state.overlay)
+        sends, loss = state.sends, state.loss
 
         def batch_mb(j):
             leaf = ctx["batch"][stage.batch_leaves[j]]
@@ -815,26 +781,38 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     if where in writes:
                         _write_slot(*writes[where], item, value)
             elif kind in (BACKWARD_INPUT, BACKWARD):
-                residuals = resolve(slots.residuals)
-                messages = incoming(ctx["messages"], ctx["message_read"])
                 jaxpr = program.backward_input if kind == BACKWARD_INPUT else program.backward
-                outs = jaxpr_as_fun(jaxpr)(*residuals, *output_cotangents(messages))
+
+                def backward():
+                    residuals = resolve(slots.residuals)
+                    messages = incoming(ctx["messages"], ctx["message_read"])
+                    return jaxpr_as_fun(jaxpr)(*residuals, *output_cotangents(messages))
+
+                if kind == BACKWARD_INPUT and slots.overlay:
+                    # Action codes are never negative: the zeros never run (see docstring).
+                    outs = jax.lax.cond(
+                        ctx["code"] >= 0,
+                        backward,
+                        lambda: [jnp.zeros(a.shape, a.dtype) for a in jaxpr.out_avals],
+                    )
+                else:
+                    outs = backward()
                 in_cts, rest = outs[:n_in_cts], outs[n_in_cts:]
                 sends = input_cotangent_sends(sends, in_cts, ctx["send_position"])
                 if kind == BACKWARD_INPUT:
                     for (where, item), value in zip(slots.stash, rest, strict=True):
                         if where == "stash":
                             _write_slot(stash_buf, ctx["stash_write"], item, value)
-                        elif where == "overlay":  # written over the residual slot later
-                            k, offset, _ = item
-                            flat = jnp.ravel(value).astype(overlay[k].dtype)
-                            overlay[k] = jax.lax.dynamic_update_slice(overlay[k], flat, (offset,))
+                        elif where == "overlay":
+                            _write_slot(
+                                residual_buf, ctx["residual_read"], overlay_item(item), value
+                            )
                 else:
                     _add_gradients(layout, stage_index, grads, rest)
             else:  # BACKWARD_WEIGHT
                 param_cts = jaxpr_as_fun(program.backward_weight)(*resolve(slots.stash))
                 _add_gradients(layout, stage_index, grads, param_cts)
-        return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss, overlay)
+        return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss)
 
     return action
 
@@ -961,10 +939,6 @@ def _run(
                     for n in tables.messages_per_shift
                 ],
                 jnp.zeros((), loss_aval.dtype),
-                [
-                    jnp.zeros(c, dt)
-                    for dt, c in zip(low.slot_dtypes, low.overlay_capacity, strict=True)
-                ],
             )
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
@@ -983,6 +957,7 @@ def _run(
                     stash_read=st_read[lane],
                     stash_write=st_write[lane],
                     send_position=send_pos[lane],
+                    code=code[lane],
                 )
                 for lane in range(tables.num_lanes)
             ]
@@ -990,23 +965,13 @@ def _run(
                 for lane, keys in enumerate(lane_keys):
                     for i, key in enumerate(keys):
                         if KIND_NAMES[key[0]] == kind:
-                            # Only a B that stashes over its residual slot gets the overlay
-                            # payload: passed through every conditional, its zeros were made
-                            # afresh in each (XLA sinks them into the branches).
-                            writes = _stashes_over_slot(low, key)
-                            given = state if writes else dataclasses.replace(state, overlay=[])
-                            out = jax.lax.cond(
+                            state = jax.lax.cond(
                                 code[lane] == i + 1,
                                 made[key],
                                 lambda state, ctx: state,
-                                given,
+                                state,
                                 contexts[lane],
                             )
-                            state = (
-                                out if writes else dataclasses.replace(out, overlay=state.overlay)
-                            )
-                    if kind == "B" and any(low.overlay_capacity):
-                        state = _write_overlay(low, state, keys, code[lane], res_read[lane])
             state = _finish_before_sending(state, code[0])
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):
