@@ -6,8 +6,9 @@ by ``jax.distributed`` over gloo (TCP on this machine), the setting the step-tim
 assumes: a device computes on one core, so a bubble is a core left idle. The model is
 ``step_time``'s MLP (2 stages of 8 Dense(128) layers, 1024 rows per microbatch).
 
-Process 0 reports: the step time of gpipe, 1f1b and zb-h2 (alternating rounds, medians, ratio to
-1f1b within each round); the stage costs F, B, W measured on its one core alone (as
+Process 0 reports: the step time of gpipe, 1f1b and zb-h2, the latter two also unpacked and zb-h2
+also with W's stash in slots of its own (alternating rounds, medians, ratio to 1f1b within each
+round); the stage costs F, B, W measured on its one core alone (as
 ``step_time.measured_costs`` does); the simulator's predicted ratio from those costs; and the
 cost of one tick's ``ppermute`` of a microbatch's activations between the processes, which a
 pipeline step pays once per tick that sends a message. Writes the section "multiprocess" of
@@ -34,7 +35,11 @@ COMMAND = "python benchmarks/multiprocess.py"
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h2")
 #: The same schedules as built, one action per device per tick, in the same rounds.
 UNPACKED = ("1f1b, pack_ticks=False", "zb-h2, pack_ticks=False")
-VARIANTS = (*SCHEDULE_NAMES, *UNPACKED)
+#: zb-h2 with W's stash in stash slots of its own instead of over B's residuals (the lowering's
+#: overlay, ``zbjax.lower.OVERLAY_MIN_SAVING``, turned off): what the overlay's memory costs in
+#: time.
+STASH_SLOTS = "zb-h2, stash slots"
+VARIANTS = (*SCHEDULE_NAMES, *UNPACKED, STASH_SLOTS)
 NUM_PROCESSES = 2
 TIMEOUT_S = 900
 
@@ -59,7 +64,7 @@ def worker(
     import zbjax
     from models import mlp
     from zbjax import schedules
-    from zbjax.profile import measure_exchange
+    from zbjax.profile import measure_exchange_costs
 
     setup = step_time.SMOKE_SETUP if smoke else step_time.Setup()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (step_time.AXIS,))
@@ -89,20 +94,24 @@ def worker(
             mlp.make_batch(jax.random.key(1), cfg, microbatches[0] * setup.microbatch_rows),
         ),
     )
-    exchange = measure_exchange(probe.lowering, repeats=10, ticks=100)
-    # The pipelines plan their ticks by these costs, the exchange as each tick's comm, and
-    # every process must build the same program: all take process 0's.
+    # And with two messages each way, as a tick whose exchange carries two does it.
+    comm, comm_message = measure_exchange_costs(probe.lowering, repeats=10, ticks=100)
+    # The pipelines plan their ticks by these costs, an exchange costing comm plus
+    # comm_message per further message, and every process must build the same program: all
+    # take process 0's.
     shared = multihost_utils.broadcast_one_to_all(
-        np.array([*costs.f, *costs.b, *costs.w, *costs.bw, exchange])
+        np.array([*costs.f, *costs.b, *costs.w, *costs.bw, comm, comm + comm_message])
     )
     n = len(costs.f)
     values = [float(x) for x in np.asarray(shared)]
     f, b, w, bw = (tuple(values[k * n : (k + 1) * n]) for k in range(4))
-    costs = schedules.Costs(f, b, w, values[-1], bw=bw)
+    one, two = values[-2:]
+    costs = schedules.Costs(f, b, w, one, bw=bw, comm_message=max(two - one, 0.0))
     result: dict = {
         "costs_ms": [[1e3 * x for x in c] for c in (costs.f, costs.b, costs.w, costs.bw)]
     }
-    result["ppermute_ms"] = 1e3 * costs.comm
+    result["ppermute_ms"] = 1e3 * one
+    result["ppermute_two_ms"] = 1e3 * two
     result["m"] = {}
     for m in microbatches:
         batch = jax.tree.map(
@@ -114,9 +123,15 @@ def worker(
             schedule = schedules.build(
                 name.split(",")[0], NUM_PROCESSES, m, num_devices=NUM_PROCESSES
             )
-            variants[name] = step_time.pipeline_step(
-                loss_fn, schedule, mesh, params, batch, costs=costs, pack_ticks=pack
-            )
+            overlay = zbjax.lower.OVERLAY_MIN_SAVING
+            if name == STASH_SLOTS:
+                zbjax.lower.OVERLAY_MIN_SAVING = float("inf")  # never overlaid
+            try:  # the slot layout is chosen when the step is built, here
+                variants[name] = step_time.pipeline_step(
+                    loss_fn, schedule, mesh, params, batch, costs=costs, pack_ticks=pack
+                )
+            finally:
+                zbjax.lower.OVERLAY_MIN_SAVING = overlay
             prediction = step_time.predict(schedule, costs, pack=pack)
             predicted[name] = prediction
         times = step_time.alternate(variants, rounds)
@@ -128,6 +143,7 @@ def worker(
                 "lockstep_ms": 1e3 * predicted[name].lockstep,
                 "ticks": predicted[name].ticks,
                 "exchanges": predicted[name].exchanges,
+                "comm_ms": 1e3 * predicted[name].comm,
             }
             for name in VARIANTS
         }
@@ -199,20 +215,25 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
             for s in range(len(f))
         )
         + f". One tick's `ppermute` of a microbatch's activations (512 kB each way) between the "
-        f"processes: {result['ppermute_ms']:.2f} ms. Steps alternate round by round ({rounds} "
+        f"processes: {result['ppermute_ms']:.2f} ms; of two microbatches' (1 MB each way, as a "
+        f"tick whose exchange carries two messages): {result['ppermute_two_ms']:.2f} ms. "
+        f"Steps alternate round by round ({rounds} "
         "rounds); step is the median, measured / 1f1b the median of the ratio within a round; "
         "predicted = the simulator's makespan ratio from the one-core costs, the ppermute as "
         "the delay of every message between the devices; lockstep + comm = the lowering's ticks, "
         "the devices running their actions back to back and waiting for each other only at the "
-        "ticks that send a message, each of which pays one ppermute (the others skip it; "
-        "`zbjax.ticks.barrier_time`). The pipelines get these costs, the ppermute "
-        "as `comm` (`pipeline(costs=...)`), and pack actions into a tick's spare time after a "
+        "ticks that send a message, each of which pays its ppermute, of one or of two messages "
+        "(the others skip it; `zbjax.ticks.barrier_time`). The pipelines get these costs, the "
+        "one-message ppermute as `comm` and what the second message adds as `comm_message` "
+        "(`pipeline(costs=...)`), and pack actions into a tick's spare time after a "
         "short one (W, and F, B or BW whose messages came at an earlier tick), or place the "
         "exchanges first (`zbjax.ticks.segment_ticks`), where they say it pays, each exchange "
         "costing its ppermute (and run the first stage's backward fused, "
         "its B having nothing to compute, where that shortens the ticks); "
         f"*{UNPACKED[0]}* and *{UNPACKED[1]}* run "
-        "one action per device per tick, as built.",
+        f"one action per device per tick, as built; *{STASH_SLOTS}* keeps W's stash in stash "
+        "slots of its own instead of writing it over the residuals only B read (the lowering's "
+        "overlay, taken where it holds at least 10 % fewer slot bytes).",
         "",
         "| m | schedule | step (ms) | measured / 1f1b | predicted / 1f1b | lockstep + comm / 1f1b "
         "| predicted step (ms, lockstep + comm) | ticks | exchanges |",
@@ -223,7 +244,7 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         base = rows["1f1b"]
 
         def lock(row: dict) -> float:
-            return row["lockstep_ms"] + row["exchanges"] * result["ppermute_ms"]
+            return row["lockstep_ms"] + row["comm_ms"]
 
         for name in VARIANTS:
             row = rows[name]

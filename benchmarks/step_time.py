@@ -37,7 +37,7 @@ from zbjax import schedules
 from zbjax.partition import partition
 from zbjax.profile import measure_stage_costs
 from zbjax.split import split
-from zbjax.ticks import barrier_time, exchange_ticks, pack_ticks, plan_ticks
+from zbjax.ticks import barrier_time, exchange_messages, exchange_ticks, pack_ticks, plan_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
@@ -215,7 +215,9 @@ def _lockstep(
 ) -> tuple[float, int, int]:
     """Returns ``lockstep_time`` of ticks already planned."""
     return (
-        barrier_time(planned, positions, dataclasses.replace(costs, comm=0.0), slowdown),
+        barrier_time(
+            planned, positions, dataclasses.replace(costs, comm=0.0, comm_message=0.0), slowdown
+        ),
         1 + max(tick for tick, _ in positions.values()),
         len(exchange_ticks(planned, positions)),
     )
@@ -241,6 +243,7 @@ class Prediction:
     contended: float  # lockstep, ticks with several busy devices stretched by the slowdown
     ticks: int
     exchanges: int  # ticks that end in a ppermute (the others skip it)
+    comm: float  # those ppermutes' time by the costs (``Costs.exchange`` of each payload)
     work: float  # every action's cost summed: the step time if the devices time-share one core
 
 
@@ -256,6 +259,7 @@ def predict(
     result = schedules.simulate(schedule, costs)
     planned = planned_ticks(schedule, costs, pack)  # planned once, timed twice
     lockstep, ticks, exchanges = _lockstep(*planned, costs, 1.0)
+    comm = sum(costs.exchange(n) for n in exchange_messages(*planned).values())
     work = sum(costs.of(a, schedule.num_stages) for _, _, a in schedule.all_actions())
     return Prediction(
         result.makespan,
@@ -265,6 +269,7 @@ def predict(
         _lockstep(*planned, costs, slowdown)[0],
         ticks,
         exchanges,
+        comm,
         work,
     )
 

@@ -288,8 +288,12 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     costs = pipe.measure_costs(params, batch, repeats=3)
     for times in (costs.f, costs.b, costs.w, costs.bw):
         assert len(times) == 2 and all(0 < t < 1 for t in times)
-    # Every device is this process's, so one tick's exchange is timed too.
-    assert 0 < costs.comm < 1
+    # Every device is this process's, so one tick's exchange is timed too, of one message
+    # and of two (what the second adds: comm_message).
+    assert 0 < costs.comm < 1 and 0 <= costs.comm_message < 1
+    assert 0 < zbjax.profile.measure_exchange(pipe.lowering, 1, ticks=2, messages=2) < 1
+    with pytest.raises(ValueError, match="messages=0"):
+        zbjax.profile.measure_exchange(pipe.lowering, messages=0)
     assert pipe.measure_costs(params, batch, repeats=1, comm=False).comm == 0.0
     with pytest.raises(zbjax.PipelineError, match="comm='yes'"):
         pipe.measure_costs(params, batch, comm="yes")

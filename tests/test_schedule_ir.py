@@ -132,3 +132,11 @@ def test_costs_reject_wrong_lengths_negative_and_nan():
         Costs(b=[1.0, math.nan]).per_stage(2)
     with pytest.raises(ScheduleError, match="costs.comm = -0.5"):
         Costs(comm=-0.5)
+    with pytest.raises(ScheduleError, match="costs.comm_message = nan"):
+        Costs(comm_message=math.nan)
+
+
+def test_an_exchange_costs_comm_plus_comm_message_per_further_message():
+    costs = Costs(comm=2.0, comm_message=0.5)
+    assert [costs.exchange(n) for n in (1, 2, 4)] == [2.0, 2.5, 3.5]
+    assert Costs(comm=2.0).exchange(3) == 2.0  # latency-bound by default

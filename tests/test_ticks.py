@@ -1,5 +1,7 @@
 """Tick tables: lockstep timing, slot allocation and message routing of a schedule (no JAX)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ from zbjax.ticks import (
     barrier_time,
     choose_ticks,
     decode_actions,
+    exchange_messages,
     exchange_ticks,
     fuse_backward,
     incoming_messages,
@@ -523,12 +526,21 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
     where = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
     edges = [MessageEdge(a, b) for a, b in schedule.edges]
 
-    def sends(action):
+    def messages(action):
+        # The shift of every message ``action`` sends.
         if action.kind == "W":
-            return set()
+            return []
         backward = action.kind != "F"
-        return {s for s, _, _ in outgoing_messages(edges, schedule.placement, 2, action.stage,
-                                                   backward)}  # fmt: skip
+        return [s for s, _, _ in outgoing_messages(edges, schedule.placement, 2, action.stage,
+                                                   backward)]  # fmt: skip
+
+    def sends(action):
+        return set(messages(action))
+
+    def most_messages(d, start, end):
+        # The most messages device d's actions start..end send over one shift to the other.
+        shifts = [s for i in range(start, end) for s in messages(programs[d][i]) if s % 2]
+        return max((shifts.count(s) for s in shifts), default=0)
 
     def runs(frontier, d):
         # Every run device d may take from frontier: (end, seconds, its senders).
@@ -561,7 +573,9 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
                 )  # fmt: skip
                 if not exchange and (e0, e1) != (len(programs[0]), len(programs[1])):
                     continue
-                options.append(max(s0, s1) + (costs.comm if exchange else 0.0) + best((e0, e1)))
+                sent = max(most_messages(0, frontier[0], e0), most_messages(1, frontier[1], e1))
+                comm = costs.exchange(sent) if exchange else 0.0
+                options.append(max(s0, s1) + comm + best((e0, e1)))
         return min(options, default=float("inf"))
 
     return best((0, 0))
@@ -569,7 +583,9 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"])
 def test_segment_ticks_find_the_fastest_segments_and_tables_that_run_them(name):
-    cases = ((2, PROCESS_COSTS), (2, TWO_STAGE_COSTS), (2, ONE_CORE_COSTS))
+    # A second message in an exchange costing as much as the first (a bandwidth-bound link).
+    bandwidth = dataclasses.replace(PROCESS_COSTS, comm_message=PROCESS_COSTS.comm)
+    cases = ((2, PROCESS_COSTS), (2, bandwidth), (2, TWO_STAGE_COSTS), (2, ONE_CORE_COSTS))
     if name != "interleaved-1f1b":  # whose exhaustive search at m = 3 takes half a minute
         cases += ((3, TWO_STAGE_COSTS),)
     for micro, two_stage in cases:
@@ -577,7 +593,7 @@ def test_segment_ticks_find_the_fastest_segments_and_tables_that_run_them(name):
         chunks = schedule.num_stages // 2  # a device's stage split in chunks, each as long
         f, b, w = (tuple(x / chunks for _ in range(chunks) for x in v)
                    for v in two_stage.per_stage(2))  # fmt: skip
-        costs = schedules.Costs(f, b, w, two_stage.comm)
+        costs = schedules.Costs(f, b, w, two_stage.comm, comm_message=two_stage.comm_message)
         for lanes in (1, 3):
             positions = segment_ticks(schedule, costs, lanes)
             assert 1 + max(lane for _, lane in positions.values()) <= lanes
@@ -609,6 +625,28 @@ def test_segment_ticks_beat_packing_where_exchanges_cost_and_choose_ticks_takes_
     assert segmented < 0.97 * packed
     assert choose_ticks(schedule, PROCESS_COSTS) == segment_ticks(schedule, PROCESS_COSTS)
     assert planned_seconds("zb-h2", 8) < 0.96 * planned_seconds("1f1b", 8)
+
+
+def test_exchanges_are_charged_by_the_messages_their_largest_payload_carries():
+    # Placing the exchanges first on zb-h2 sends two messages of a device in one exchange
+    # where a second message is free; where it costs as much as the first (bandwidth-bound),
+    # the same search sends fewer together.
+    schedule = fuse_backward(build("zb-h2", 2, 4), [0])
+    costs = dataclasses.replace(PROCESS_COSTS, comm=3.0)
+    bandwidth = dataclasses.replace(costs, comm_message=3.0)
+    free = segment_ticks(schedule, costs)
+    messages = exchange_messages(schedule, free)
+    assert set(messages) == exchange_ticks(schedule, free) and max(messages.values()) == 2
+    # The tables the lowering runs carry as many messages in each exchange.
+    blocks = tick_tables(schedule, positions=free).payload_blocks.max(axis=1)
+    assert {t: int(n) for t, n in enumerate(blocks) if n} == messages
+    extra = sum(n - 1 for n in messages.values())
+    assert barrier_time(schedule, free, bandwidth) == pytest.approx(
+        barrier_time(schedule, free, costs) + 3.0 * extra
+    )
+    apart = segment_ticks(schedule, bandwidth)
+    assert sum(n - 1 for n in exchange_messages(schedule, apart).values()) < extra
+    assert barrier_time(schedule, apart, bandwidth) < barrier_time(schedule, free, bandwidth)
 
 
 def test_segment_ticks_skip_what_they_cannot_search(monkeypatch):

@@ -62,7 +62,7 @@ from zbjax.params import (
     unstage_leaves,
 )
 from zbjax.partition import partition, stage_summary
-from zbjax.profile import measure_exchange, measure_stage_costs
+from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
@@ -216,21 +216,24 @@ class Pipeline:
         repeats: int = 10,
         comm: bool | None = None,
     ) -> Costs:
-        """Returns each stage's F, B and W time in seconds, measured on one device, and one
-        tick's exchange between the devices as ``comm``.
+        """Returns each stage's F, B, W and fused BW time in seconds, measured on one device,
+        and one tick's exchange between the devices as ``comm`` (one message per shift) and
+        ``comm_message`` (what a second message adds).
 
         Every stage program of this pipeline (built for ``batch``'s shapes) runs jitted alone
         on the first device of the mesh on the first microbatch (its data-parallel shard), F,
         B and W alternating, ``repeats`` times after a warm-up, each time ``profile.LOOP_RUNS``
         runs in a loop writing into buffers it carries, as the tick loop writes its pools
         (``profile.looped``); the medians per run are returned.
-        ``comm``: also time one tick's ``ppermute`` of the messages over the pipeline axis,
-        all devices at once (``profile.measure_exchange``); a collective over the whole mesh.
+        ``comm``: also time one tick's ``ppermute`` of one and of two messages per shift over
+        the pipeline axis, all devices at once (``profile.measure_exchange_costs``); a collective
+        over the whole mesh.
         None (default): when every device of the mesh belongs to this process (else ``comm``
         is 0); True: always, so over several processes every process must call this.
         Pass the costs as ``costs=`` to a new ``zbjax.pipeline``: zb-auto and the DAG
         schedules plan with them, and the lowering packs actions into the spare time of
-        ticks by them, weighing fewer ticks against longer ones by ``comm`` (``pack_ticks``).
+        ticks by them, weighing fewer ticks against longer ones by the exchanges' costs
+        (``pack_ticks``).
         Over several processes, give every process the same costs (process 0's, say), so
         that all build the same program.
         """
@@ -261,7 +264,8 @@ class Pipeline:
             comm = all(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
         if not comm:
             return costs
-        return dataclasses.replace(costs, comm=measure_exchange(built.lowering, repeats))
+        comm, comm_message = measure_exchange_costs(built.lowering, repeats)
+        return dataclasses.replace(costs, comm=comm, comm_message=comm_message)
 
     def stage(self, params: Any, batch: Any = None, key: jax.Array | None = None) -> StagedParams:
         """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``.

@@ -221,17 +221,47 @@ def measure_stage_costs(
     return Costs(tuple(f), tuple(b), tuple(w), 0.0, bw=tuple(bw))
 
 
-def measure_exchange(low: Lowering, repeats: int = 10, ticks: int = 20) -> float:
+def measure_exchange(
+    low: Lowering, repeats: int = 10, ticks: int = 20, messages: int | None = None
+) -> float:
     """Returns the median seconds of one tick's exchange of ``low``: every shift's payload
-    (``messages_per_shift`` messages of the largest edge's size, per message dtype)
-    ``ppermute``-d over the pipeline axis by all devices at once, as the tick loop does it.
+    (``messages`` messages of the largest edge's size per message dtype; by default the
+    shift's ``messages_per_shift``) ``ppermute``-d over the pipeline axis by all devices at
+    once, as the tick loop does it.
 
     A loop of ``ticks`` exchanges runs jitted over the whole mesh, ``repeats`` times after a
     warm-up; the median divided by ``ticks`` is returned. It is a collective over every
     device of the mesh, so every process of a multi-process mesh must call it.
     """
+    call = _exchange_call(low, repeats, ticks, messages)
+    if call is None:
+        return 0.0
+    (seconds,) = median_times([call], repeats)
+    return seconds / ticks
+
+
+def measure_exchange_costs(
+    low: Lowering, repeats: int = 10, ticks: int = 20
+) -> tuple[float, float]:
+    """Returns ``(comm, comm_message)`` for ``Costs``: the seconds of one tick's exchange of
+    one message per shift, and what a second message adds (at least 0), timed as
+    ``measure_exchange`` does, the two alternating so that load drift hits both alike."""
+    calls = [_exchange_call(low, repeats, ticks, n) for n in (1, 2)]
+    if calls[0] is None or calls[1] is None:
+        return 0.0, 0.0
+    one, two = (t / ticks for t in median_times(calls, repeats))
+    return one, max(two - one, 0.0)
+
+
+def _exchange_call(
+    low: Lowering, repeats: int, ticks: int, messages: int | None
+) -> tuple[Callable[..., Any], tuple] | None:
+    """Returns the jitted loop of ``ticks`` exchanges ``measure_exchange`` times and its
+    arguments; None when nothing moves between devices."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; it must be at least 1")
+    if messages is not None and messages < 1:
+        raise ValueError(f"messages={messages}; it must be at least 1 (or None)")
     tables, axis, mesh = low.tables, low.axis_name, low.mesh
     num_devices = tables.num_devices
     moving = [(k, s) for k, s in enumerate(tables.shifts) if s % num_devices]
@@ -240,10 +270,10 @@ def measure_exchange(low: Lowering, repeats: int = 10, ticks: int = 20) -> float
             jnp.zeros((num_devices * n * c,), dt)
             for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
         ]
-        for n in (tables.messages_per_shift[k] for k, _ in moving)
+        for n in (messages or tables.messages_per_shift[k] for k, _ in moving)
     ]
     if not payloads or not any(p.size for per_shift in payloads for p in per_shift):
-        return 0.0
+        return None
 
     def exchange(payloads):
         def tick(carry, _):
@@ -267,6 +297,4 @@ def measure_exchange(low: Lowering, repeats: int = 10, ticks: int = 20) -> float
         )
     )
     sharding = NamedSharding(mesh, PartitionSpec(axis))
-    payloads = jax.device_put(payloads, sharding)
-    (seconds,) = median_times([(run, (payloads,))], repeats)
-    return seconds / ticks
+    return run, (jax.device_put(payloads, sharding),)

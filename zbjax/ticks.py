@@ -216,6 +216,30 @@ def _send_shifts(schedule: Schedule) -> dict[tuple[int, bool], frozenset[int]]:
     }
 
 
+def _message_counts(schedule: Schedule) -> dict[tuple[int, bool], dict[int, int]]:
+    """Returns, per (stage, backward), how many messages its F (backward False) or its B/BW
+    (True) sends over each shift to another device (``outgoing_messages``)."""
+    edges = [MessageEdge(src, dst) for src, dst in schedule.edges]
+    counts: dict[tuple[int, bool], dict[int, int]] = {}
+    for stage in range(schedule.num_stages):
+        for backward in (False, True):
+            count: dict[int, int] = {}
+            for shift, _, _ in outgoing_messages(
+                edges, schedule.placement, schedule.num_devices, stage, backward
+            ):
+                if shift % schedule.num_devices:
+                    count[shift] = count.get(shift, 0) + 1
+            counts[(stage, backward)] = count
+    return counts
+
+
+def _messages_of(counts: dict[tuple[int, bool], dict[int, int]], action: Action) -> dict[int, int]:
+    """Returns how many messages ``action`` sends over each shift to another device."""
+    if action.kind == "W":
+        return {}
+    return counts.get((action.stage, action.kind != "F"), {})
+
+
 def _sends(shifts: dict[tuple[int, bool], frozenset[int]], action: Action) -> frozenset[int]:
     """Returns the shifts ``action``'s messages travel over (none for W)."""
     if action.kind == "W":
@@ -322,10 +346,12 @@ def _stretch_time(
     contention: float = 1.0,
 ) -> float:
     """Returns the time of the ticks ``positions`` run ``schedule`` in when the devices wait for
-    each other, paying ``costs.comm``, at the end of the ticks in ``waits`` (every tick when
-    None): between two waits every device runs its actions (all lanes) back to back, and the
-    stretch lasts as long as the busiest device's, times ``contention`` when more than one
-    device computes in it."""
+    each other at the end of the ticks in ``waits`` (every tick when None), paying the tick's
+    exchange (``Costs.exchange`` of its largest payload, ``exchange_messages``; one message
+    where nothing is sent): between two waits every device runs its actions (all lanes) back
+    to back, and the stretch lasts as long as the busiest device's, times ``contention`` when
+    more than one device computes in it."""
+    messages = exchange_messages(schedule, positions)
     busy: dict[int, dict[int, float]] = {}
     for action, (tick, _) in positions.items():
         devices = busy.setdefault(tick, {})
@@ -339,27 +365,40 @@ def _stretch_time(
         waited = waits is None or tick in waits
         if waited or tick == last:
             total += max(stretch.values(), default=0.0) * (contention if len(stretch) > 1 else 1)
-            total += costs.comm if waited else 0.0
+            total += costs.exchange(messages.get(tick, 1)) if waited else 0.0
             stretch = {}
     return total
 
 
 def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], costs: Costs) -> float:
     """Returns the time of the ticks ``positions`` run ``schedule`` in if every tick ended in an
-    exchange: each tick as long as its busiest device's actions, every lane counted, plus
-    ``costs.comm``."""
+    exchange: each tick as long as its busiest device's actions, every lane counted, plus its
+    exchange (``Costs.exchange``)."""
     return _stretch_time(schedule, positions, costs, None)
 
 
 def exchange_ticks(schedule: Schedule, positions: dict[Action, tuple[int, int]]) -> set[int]:
     """Returns the ticks that end in an exchange: those in which an action sends a message to
     another device (``TickTables.exchanges``); the lowering skips the ``ppermute`` elsewhere."""
-    shifts = _send_shifts(schedule)
-    return {
-        tick
-        for action, (tick, _) in positions.items()
-        if any(shift != 0 for shift in _sends(shifts, action))
-    }
+    return set(exchange_messages(schedule, positions))
+
+
+def exchange_messages(
+    schedule: Schedule, positions: dict[Action, tuple[int, int]]
+) -> dict[int, int]:
+    """Returns, per tick that ends in an exchange, the most messages one device sends over one
+    shift in it: the messages its largest payload carries (``TickTables.payload_blocks``)."""
+    counts = _message_counts(schedule)
+    sent: dict[tuple[int, int, int], int] = {}
+    for action, (tick, _) in positions.items():
+        device = schedule.placement[action.stage]
+        for shift, n in _messages_of(counts, action).items():
+            key = (tick, device, shift)
+            sent[key] = sent.get(key, 0) + n
+    most: dict[int, int] = {}
+    for (tick, _, _), n in sent.items():
+        most[tick] = max(most.get(tick, 0), n)
+    return most
 
 
 def barrier_time(
@@ -371,7 +410,8 @@ def barrier_time(
     """Returns the time of the ticks ``positions`` run ``schedule`` in, the devices waiting for
     each other only at exchanges (``exchange_ticks``), as the lowering runs them: between two
     exchanges every device runs its actions back to back, and the stretch lasts as long as the
-    busiest device's; every exchange adds ``costs.comm``. At most ``tick_time``, which waits at
+    busiest device's; every exchange adds ``Costs.exchange`` of its largest payload (the
+    messages one device sends over one shift in the tick). At most ``tick_time``, which waits at
     every tick. ``contention`` stretches the stretches in which more than one device computes
     (devices that share a host's cores run slower together than alone)."""
     return _stretch_time(
@@ -398,16 +438,16 @@ def segment_ticks(
     exchange, between sender and reader) and past ``SEGMENT_STATES`` frontier pairs.
 
     A segment may hold an action only when everything it needs from another stage ran in an
-    earlier segment, and at most ``lanes`` actions per device from its first action that sends
-    a message on (every message a device sends in the segment travels in its one exchange);
-    every segment but the last ends in an exchange (some action sends to the other device). It
-    costs its busier device's time plus ``costs.comm`` when it exchanges, which is what
-    ``barrier_time`` charges its ticks. The search is exact (dynamic programming over the pairs
-    of frontiers). A segment becomes as few ticks as its senders and ``lanes`` allow: each
-    device's actions one per tick, its first sender in the segment's last tick (the only one
-    that exchanges), and what comes after it (or, without a sender, what does not fit before)
-    in lanes of that tick. ``pack_ticks`` fixes the ticks first and packs into them; this
-    places the exchanges first.
+    earlier segment, and at most ``lanes`` actions per device from its first action that sends a
+    message on (every message a device sends in the segment travels in its one exchange); every
+    segment but the last ends in an exchange (some action sends to the other device). It costs
+    its busier device's time plus, when it exchanges, ``Costs.exchange`` of the most messages
+    one device sends in it, which is what ``barrier_time`` charges its ticks. The search is
+    exact (dynamic programming over the pairs of frontiers). A segment becomes as few ticks as
+    its senders and ``lanes`` allow: each device's actions one per tick, its first sender in the
+    segment's last tick (the only one that exchanges), and what comes after it (or, without a
+    sender, what does not fit before) in lanes of that tick. ``pack_ticks`` fixes the ticks
+    first and packs into them; this places the exchanges first.
     """
     placement = schedule.placement
     if schedule.num_devices != 2 or any(placement[a] == placement[b] for a, b in schedule.edges):
@@ -428,14 +468,18 @@ def segment_ticks(
                 if dep.stage != action.stage:
                     other, j = index[dep]
                     need[d][i][other] = max(need[d][i][other], j + 1)
-    # Whether each action sends a message (to the other device: every edge crosses).
+    # Whether each action sends a message (to the other device: every edge crosses), and how
+    # many over each shift.
     sends = [[bool(_sends(shifts, a)) for a in p] for p in programs]
+    counts = _message_counts(schedule)
+    messages = [[_messages_of(counts, a) for a in p] for p in programs]
     seconds = [[costs.of(a, schedule.num_stages) for a in p] for p in programs]
 
-    def extents(d: int, frontier: tuple[int, int]) -> list[tuple[int, float, bool]]:
-        # (end, busy seconds, whether it sends) of every run device d may take from
-        # ``frontier``.
-        out, busy, sender = [(frontier[d], 0.0, False)], 0.0, None
+    def extents(d: int, frontier: tuple[int, int]) -> list[tuple[int, float, bool, int]]:
+        # (end, busy seconds, whether it sends, the most messages it sends over one shift) of
+        # every run device d may take from ``frontier``.
+        out, busy, sender = [(frontier[d], 0.0, False, 0)], 0.0, None
+        per_shift: dict[int, int] = {}
         for i in range(frontier[d], sizes[d]):
             if need[d][i][0] > frontier[0] or need[d][i][1] > frontier[1]:
                 break
@@ -444,7 +488,9 @@ def segment_ticks(
             if sender is not None and i - sender >= lanes:
                 break
             busy += seconds[d][i]
-            out.append((i + 1, busy, sender is not None))
+            for shift, n in messages[d][i].items():
+                per_shift[shift] = per_shift.get(shift, 0) + n
+            out.append((i + 1, busy, sender is not None, max(per_shift.values(), default=0)))
         return out
 
     best: dict[tuple[int, int], tuple[float, tuple[int, int] | None]] = {(0, 0): (0.0, None)}
@@ -454,15 +500,15 @@ def segment_ticks(
                 continue
             base = best[(c0, c1)][0]
             runs1 = extents(1, (c0, c1))
-            for e0, busy0, exchange0 in extents(0, (c0, c1)):
-                for e1, busy1, exchange1 in runs1:
+            for e0, busy0, exchange0, sent0 in extents(0, (c0, c1)):
+                for e1, busy1, exchange1, sent1 in runs1:
                     if (e0, e1) == (c0, c1):
                         continue
                     # Devices wait for each other only at exchanges: a segment without one
                     # would run on into the next, so only the last may go without.
                     if not (exchange0 or exchange1) and (e0, e1) != (sizes[0], sizes[1]):
                         continue
-                    comm = costs.comm if exchange0 or exchange1 else 0.0
+                    comm = costs.exchange(max(sent0, sent1)) if exchange0 or exchange1 else 0.0
                     total = base + max(busy0, busy1) + comm
                     if total < best.get((e0, e1), (float("inf"),))[0]:
                         best[(e0, e1)] = (total, (c0, c1))

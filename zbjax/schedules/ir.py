@@ -190,7 +190,11 @@ class Costs:
     """Time of F, B and W per stage and microbatch (scalars or per-stage lists), and comm.
 
     ``comm`` is the delay between an action ending on one device and a dependent action on
-    another device being able to start. ``bw`` is the time of the fused backward (BW); by
+    another device being able to start. ``comm_message`` is what each further message adds to
+    an exchange that carries several (the lowering sends a device's messages over one shift in
+    a tick together, ``zbjax.ticks``): 0 (the default) where an exchange costs its latency
+    whatever it carries, about ``comm`` where the link's bandwidth bounds it
+    (``Pipeline.measure_costs`` times both). ``bw`` is the time of the fused backward (BW); by
     default ``b + w``. Measured, it is often less: the fused backward neither writes W's
     stash nor reads it back (``Pipeline.measure_costs`` times it).
     """
@@ -200,14 +204,22 @@ class Costs:
     w: float | tuple[float, ...] = 1.0
     comm: float = 0.0
     bw: float | tuple[float, ...] | None = None
+    comm_message: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "bw"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, int | float):
                 object.__setattr__(self, name, tuple(float(v) for v in value))
-        if not self.comm >= 0:
-            raise ScheduleError(f"costs.comm = {self.comm} is negative; it must be >= 0")
+        for name in ("comm", "comm_message"):
+            if not getattr(self, name) >= 0:
+                raise ScheduleError(
+                    f"costs.{name} = {getattr(self, name)} is negative (or NaN); it must be >= 0"
+                )
+
+    def exchange(self, messages: int) -> float:
+        """Returns the time of an exchange whose largest payload carries ``messages``."""
+        return self.comm + self.comm_message * max(messages - 1, 0)
 
     def per_stage(self, num_stages: int) -> tuple[tuple[float, ...], ...]:
         """Returns (f, b, w) as per-stage tuples, checking lengths and signs (once per costs
