@@ -194,11 +194,16 @@ def measure_stage_costs(
 ) -> Costs:
     """Returns per-stage median seconds of F, B, W and the fused backward BW (``Costs.bw``),
     each jitted alone on the device the arguments are on and run ``LOOP_RUNS`` times in a loop
-    per timed call (``looped``), the calls alternating ``repeats`` times (``batch_leaves``: one
-    microbatch, as the stage graph numbers them)."""
+    per timed call (``looped``), the calls of every stage alternating ``repeats`` times
+    (``batch_leaves``: one microbatch, as the stage graph numbers them).
+
+    Every stage is timed in every round, so load drift over the measurement hits all stages
+    alike: timed stage after stage, a drift between them skewed the costs the planner
+    balances (on this project's 2-core machine, one stage's F read 1.5x its cost of minutes
+    before while the other's did not)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; it must be at least 1")
-    f, b, w, bw = [], [], [], []
+    calls = []
     for index, program in enumerate(programs):
         forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
         num_in = sum(graph.stages[index].input_differentiable)
@@ -207,18 +212,15 @@ def measure_stage_costs(
         # once.
         new = backward_input(*args)[1]
         residuals = args[: len(program.residual_avals)]
-        calls = [
+        calls += [
             (looped(jaxpr_as_fun(program.forward)), forward_args),
             (backward_input, args),
             (backward_weight, (residuals, new)),
             (looped(jaxpr_as_fun(program.backward)), args),
         ]
-        tf, tb, tw, tbw = (t / LOOP_RUNS for t in median_times(calls, repeats))
-        f.append(tf)
-        b.append(tb)
-        w.append(tw)
-        bw.append(tbw)
-    return Costs(tuple(f), tuple(b), tuple(w), 0.0, bw=tuple(bw))
+    times = [t / LOOP_RUNS for t in median_times(calls, repeats)]
+    f, b, w, bw = (tuple(times[k::4]) for k in range(4))
+    return Costs(f, b, w, 0.0, bw=bw)
 
 
 def measure_exchange(
