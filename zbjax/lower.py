@@ -6,23 +6,24 @@ two-way ``lax.cond``s, one per (kind, stage), of which the tick's action code se
 action reads and updates the device's buffers in place: F writes its residuals into a residual
 slot (those only B reads) and a kept slot (those W reads too), B reads both and writes what W
 needs beyond them into a stash slot (or over the residuals only B read: ``slot_layout``'s
-overlay), W reads the kept and stash slots, W and BW add their
-weight gradients into the device's gradient row, and F, B and BW put the messages they send into
-the tick's send payloads, at the positions the tables give them (the messages a device sends
-over one shift in one tick, from any of its lanes, share one exchange). Then every payload moves
-with one ``ppermute`` per distinct device shift (one flat operand per dtype) and is stored into
-message slots of the receiving device as the tables say. The actions' conditionals hold no
-collective (devices take different branches); a shift's ``ppermute`` sits in a ``lax.switch``
-of its own where some ticks send nothing over it or send fewer messages than others, on a
-code every device reads alike (``TickTables.payload_blocks``, ``exchange_sizes``): each tick
-moves only the positions it filled, a tick that sends nothing skips the exchange, and since the
-exchange is where devices wait for each other, a device then runs on into its next tick's
-actions instead of waiting for the slowest one.
+overlay), W reads the kept and stash slots, W and BW add their weight gradients into the
+device's gradient row, and F, B and BW put the messages they send into the tick's send payloads,
+at the positions the tables give them (the messages a device sends over one shift in one tick,
+from any of its lanes, share one exchange). Then every payload moves with one ``ppermute`` per
+distinct device shift (one flat operand per dtype) and is stored into message slots of the
+receiving device as the tables say. The actions' conditionals hold no collective (devices take
+different branches); a shift's ``ppermute`` sits in a ``lax.switch`` of its own where some ticks
+send nothing over it or send fewer messages than others, on a code every device reads alike
+(``TickTables.payload_blocks``, ``exchange_sizes``): each tick moves only the positions it
+filled, a tick that sends nothing skips the exchange, and since the exchange is where devices
+wait for each other, a device then runs on into its next tick's actions instead of waiting for
+the slowest one.
 
 Why two-way conds and separate pools: with one multi-way ``lax.switch``, or with a branch that
-reads and writes the same buffer, XLA copies the whole buffer (every slot) on every tick; a
-two-way cond per action whose branches read one pool and write another keeps every buffer in
-place, so a tick costs what its action reads and writes.
+reads and writes the same buffer without every read ordered before the first write, XLA copies
+the whole buffer (every slot) on every tick; a two-way cond per action whose branches read one
+pool and write another (or, for an overlaid B, read it in a nested conditional before writing
+it) keeps every buffer in place, so a tick costs what its action reads and writes.
 
 All slot contents are flat per-dtype vectors; ``Packing`` and ``SlotLayout`` say where each
 value sits in them. The shard_map is manual over every mesh axis; the axes other than the
@@ -641,14 +642,15 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     residual slot and a kept slot, B reads them and writes the rest of W's stash into a stash
     slot (or, overlaid, over the residuals of its slot that only it read), W reads the kept
     and stash slots, W and BW add their weight gradient into the gradient row; F, B and BW put
-    the messages they send into the send payloads. XLA keeps every buffer in place through
-    the conditional that runs the action only when no branch reads a pool after writing it,
-    as far as data dependencies tell (otherwise it copies the pool every tick): F and W read
-    pools they do not write, and an overlaid B runs its backward in a nested conditional (a
-    predicate that is always true at run time) whose outputs are whole buffers, so that every
-    read of the residual pool is done before the stash is written over it. Without the nested
-    conditional XLA fuses reads of the pool into the writes and into work it schedules after
-    them, and copies the pool.
+    the messages they send into the send payloads. XLA keeps a buffer in place through the
+    conditional that runs the action only when the branch's data dependencies order every
+    read of it before its first write (otherwise it copies the pool every tick): F writes
+    pools it does not read, W reads pools it does not write, a B with stash slots writes only
+    the stash pool, which it does not read, and an overlaid B, which reads and writes the
+    residual pool, runs its backward in a nested conditional (a predicate that is always true
+    at run time) whose outputs are whole buffers, so that every read of the pool is done
+    before the stash is written over it. Without the nested conditional XLA fuses reads of the
+    pool into the writes and into work it schedules after them, and copies the pool.
     """
     graph, tables, layout = low.graph, low.tables, low.layout
     edges = tables.edges
