@@ -201,8 +201,7 @@ def measure_stage_costs(
     alike: timed stage after stage, a drift between them skewed the costs the planner
     balances (on this project's 2-core machine, one stage's F read 1.5x its cost of minutes
     before while the other's did not)."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}; it must be at least 1")
+    _check_repeats(repeats)
     calls = []
     for index, program in enumerate(programs):
         forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
@@ -235,7 +234,8 @@ def measure_exchange(
     warm-up; the median divided by ``ticks`` is returned. It is a collective over every
     device of the mesh, so every process of a multi-process mesh must call it.
     """
-    call = _exchange_call(low, repeats, ticks, messages)
+    _check_repeats(repeats)
+    call = _exchange_call(low, ticks, messages)
     if call is None:
         return 0.0
     (seconds,) = median_times([call], repeats)
@@ -248,20 +248,24 @@ def measure_exchange_costs(
     """Returns ``(comm, comm_message)`` for ``Costs``: the seconds of one tick's exchange of
     one message per shift, and what a second message adds (at least 0), timed as
     ``measure_exchange`` does, the two alternating so that load drift hits both alike."""
-    calls = [_exchange_call(low, repeats, ticks, n) for n in (1, 2)]
-    if calls[0] is None or calls[1] is None:
+    _check_repeats(repeats)
+    calls = [_exchange_call(low, ticks, n) for n in (1, 2)]
+    if calls[0] is None:  # nothing moves between devices, with one message or two
         return 0.0, 0.0
     one, two = (t / ticks for t in median_times(calls, repeats))
     return one, max(two - one, 0.0)
 
 
+def _check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}; it must be at least 1")
+
+
 def _exchange_call(
-    low: Lowering, repeats: int, ticks: int, messages: int | None
+    low: Lowering, ticks: int, messages: int | None
 ) -> tuple[Callable[..., Any], tuple] | None:
     """Returns the jitted loop of ``ticks`` exchanges ``measure_exchange`` times and its
     arguments; None when nothing moves between devices."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats}; it must be at least 1")
     if messages is not None and messages < 1:
         raise ValueError(f"messages={messages}; it must be at least 1 (or None)")
     tables, axis, mesh = low.tables, low.axis_name, low.mesh

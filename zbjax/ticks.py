@@ -199,26 +199,10 @@ def _data_ready(action: Action, dep: Action, dep_at: tuple[int, int], at: tuple[
     return dep_at < at if dep.stage == action.stage else dep_at[0] < at[0]
 
 
-def _send_shifts(schedule: Schedule) -> dict[tuple[int, bool], frozenset[int]]:
-    """Returns, per (stage, backward), the shifts the messages of its F (backward False) or of
-    its B/BW (True) travel over (``outgoing_messages``), every edge counted as carrying
-    cotangents."""
-    edges = [MessageEdge(src, dst) for src, dst in schedule.edges]
-    return {
-        (stage, backward): frozenset(
-            shift
-            for shift, _, _ in outgoing_messages(
-                edges, schedule.placement, schedule.num_devices, stage, backward
-            )
-        )
-        for stage in range(schedule.num_stages)
-        for backward in (False, True)
-    }
-
-
 def _message_counts(schedule: Schedule) -> dict[tuple[int, bool], dict[int, int]]:
     """Returns, per (stage, backward), how many messages its F (backward False) or its B/BW
-    (True) sends over each shift to another device (``outgoing_messages``)."""
+    (True) sends over each shift (``outgoing_messages``; shift 0 stays on the device), every
+    edge counted as carrying cotangents."""
     edges = [MessageEdge(src, dst) for src, dst in schedule.edges]
     counts: dict[tuple[int, bool], dict[int, int]] = {}
     for stage in range(schedule.num_stages):
@@ -227,24 +211,21 @@ def _message_counts(schedule: Schedule) -> dict[tuple[int, bool], dict[int, int]
             for shift, _, _ in outgoing_messages(
                 edges, schedule.placement, schedule.num_devices, stage, backward
             ):
-                if shift % schedule.num_devices:
-                    count[shift] = count.get(shift, 0) + 1
+                count[shift] = count.get(shift, 0) + 1
             counts[(stage, backward)] = count
     return counts
 
 
 def _messages_of(counts: dict[tuple[int, bool], dict[int, int]], action: Action) -> dict[int, int]:
-    """Returns how many messages ``action`` sends over each shift to another device."""
+    """Returns how many messages ``action`` sends over each shift (none for W)."""
     if action.kind == "W":
         return {}
     return counts.get((action.stage, action.kind != "F"), {})
 
 
-def _sends(shifts: dict[tuple[int, bool], frozenset[int]], action: Action) -> frozenset[int]:
+def _sends(counts: dict[tuple[int, bool], dict[int, int]], action: Action) -> frozenset[int]:
     """Returns the shifts ``action``'s messages travel over (none for W)."""
-    if action.kind == "W":
-        return frozenset()
-    return shifts.get((action.stage, action.kind != "F"), frozenset())
+    return frozenset(_messages_of(counts, action))
 
 
 #: Kinds of action ``pack_ticks`` may run after a device's main action by default: W only.
@@ -278,7 +259,7 @@ def pack_ticks(
     scheduled, or the order deadlocks.
     """
     deps = _checked_dependencies(schedule)
-    shifts = _send_shifts(schedule)
+    counts = _message_counts(schedule)
     num_stages = schedule.num_stages
     position: dict[Action, tuple[int, int]] = {}
     cursor = [0] * schedule.num_devices
@@ -317,7 +298,7 @@ def pack_ticks(
             for device, action in main.items():
                 program = schedule.actions[device]
                 used = costs.of(action, num_stages)
-                sent = _sends(shifts, action)
+                sent = _sends(counts, action)
                 for lane in range(1, lanes + 1):
                     if cursor[device] == len(program):
                         break
@@ -325,13 +306,13 @@ def pack_ticks(
                     cost = costs.of(nxt, num_stages)
                     if (
                         not packable(nxt, lane)
-                        or (sent & _sends(shifts, nxt) and not share_exchanges)
+                        or (sent & _sends(counts, nxt) and not share_exchanges)
                         or used + cost > limit * (1.0 + 1e-9)
                     ):
                         break
                     position[nxt] = (tick, lane)
                     used += cost
-                    sent |= _sends(shifts, nxt)
+                    sent |= _sends(counts, nxt)
                     cursor[device] += 1
                     remaining -= 1
         tick += 1
@@ -342,15 +323,15 @@ def _stretch_time(
     schedule: Schedule,
     positions: dict[Action, tuple[int, int]],
     costs: Costs,
-    waits: set[int] | None,
+    every_tick: bool,
     contention: float = 1.0,
 ) -> float:
     """Returns the time of the ticks ``positions`` run ``schedule`` in when the devices wait for
-    each other at the end of the ticks in ``waits`` (every tick when None), paying the tick's
-    exchange (``Costs.exchange`` of its largest payload, ``exchange_messages``; one message
-    where nothing is sent): between two waits every device runs its actions (all lanes) back
-    to back, and the stretch lasts as long as the busiest device's, times ``contention`` when
-    more than one device computes in it."""
+    each other at the end of every tick (``every_tick``) or of the ticks that exchange
+    (``exchange_messages``), paying the tick's exchange (``Costs.exchange`` of its largest
+    payload; one message where nothing is sent): between two waits every device runs its
+    actions (all lanes) back to back, and the stretch lasts as long as the busiest device's,
+    times ``contention`` when more than one device computes in it."""
     messages = exchange_messages(schedule, positions)
     busy: dict[int, dict[int, float]] = {}
     for action, (tick, _) in positions.items():
@@ -362,7 +343,7 @@ def _stretch_time(
     for tick in range(last + 1):
         for device, seconds in busy.get(tick, {}).items():
             stretch[device] = stretch.get(device, 0.0) + seconds
-        waited = waits is None or tick in waits
+        waited = every_tick or tick in messages
         if waited or tick == last:
             total += max(stretch.values(), default=0.0) * (contention if len(stretch) > 1 else 1)
             total += costs.exchange(messages.get(tick, 1)) if waited else 0.0
@@ -374,7 +355,7 @@ def tick_time(schedule: Schedule, positions: dict[Action, tuple[int, int]], cost
     """Returns the time of the ticks ``positions`` run ``schedule`` in if every tick ended in an
     exchange: each tick as long as its busiest device's actions, every lane counted, plus its
     exchange (``Costs.exchange``)."""
-    return _stretch_time(schedule, positions, costs, None)
+    return _stretch_time(schedule, positions, costs, every_tick=True)
 
 
 def exchange_ticks(schedule: Schedule, positions: dict[Action, tuple[int, int]]) -> set[int]:
@@ -393,8 +374,9 @@ def exchange_messages(
     for action, (tick, _) in positions.items():
         device = schedule.placement[action.stage]
         for shift, n in _messages_of(counts, action).items():
-            key = (tick, device, shift)
-            sent[key] = sent.get(key, 0) + n
+            if shift:  # shift 0 stays on the device
+                key = (tick, device, shift)
+                sent[key] = sent.get(key, 0) + n
     most: dict[int, int] = {}
     for (tick, _, _), n in sent.items():
         most[tick] = max(most.get(tick, 0), n)
@@ -414,9 +396,7 @@ def barrier_time(
     messages one device sends over one shift in the tick). At most ``tick_time``, which waits at
     every tick. ``contention`` stretches the stretches in which more than one device computes
     (devices that share a host's cores run slower together than alone)."""
-    return _stretch_time(
-        schedule, positions, costs, exchange_ticks(schedule, positions), contention
-    )
+    return _stretch_time(schedule, positions, costs, every_tick=False, contention=contention)
 
 
 #: The most (device 0, device 1) frontier pairs ``segment_ticks`` searches; past it (about
@@ -457,7 +437,7 @@ def segment_ticks(
     if (sizes[0] + 1) * (sizes[1] + 1) > SEGMENT_STATES:
         return None
     deps = _checked_dependencies(schedule)
-    shifts = _send_shifts(schedule)
+    counts = _message_counts(schedule)
     index = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
     # need[d][i]: how far each device's program must have run in earlier segments for action i
     # of device d (one past its last dependency on another stage there).
@@ -468,11 +448,10 @@ def segment_ticks(
                 if dep.stage != action.stage:
                     other, j = index[dep]
                     need[d][i][other] = max(need[d][i][other], j + 1)
-    # Whether each action sends a message (to the other device: every edge crosses), and how
-    # many over each shift.
-    sends = [[bool(_sends(shifts, a)) for a in p] for p in programs]
-    counts = _message_counts(schedule)
+    # How many messages each action sends over each shift (to the other device: every edge
+    # crosses), and whether it sends any.
     messages = [[_messages_of(counts, a) for a in p] for p in programs]
+    sends = [[bool(m) for m in p] for p in messages]
     seconds = [[costs.of(a, schedule.num_stages) for a in p] for p in programs]
 
     def extents(d: int, frontier: tuple[int, int]) -> list[tuple[int, float, bool, int]]:
