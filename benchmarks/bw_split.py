@@ -28,7 +28,14 @@ from jax.extend.core import jaxpr_as_fun
 
 from zbjax.cost_model import matmul_flops
 from zbjax.partition import partition
-from zbjax.profile import LOOP_RUNS, looped, lowered_b_and_w, stage_arguments, stash_forwarded
+from zbjax.profile import (
+    LOOP_RUNS,
+    LOOP_SLOTS,
+    looped,
+    lowered_b_and_w,
+    stage_arguments,
+    stash_forwarded,
+)
 from zbjax.split import split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -178,22 +185,25 @@ def measure(case: Case, repeats: int) -> Measurement:
     num_residuals = len(program.residual_avals)
     forwarded = stash_forwarded(program)
     plain_b, plain_w = lowered_b_and_w(program, num_in)
-    # Each timed call runs its program LOOP_RUNS times in a loop into buffers it carries, as the
-    # pipeline's tick loop does (``zbjax.profile.looped``); times are per run.
+    # Each timed call runs its program LOOP_RUNS times in a loop writing its outputs into slot
+    # pools it keeps, as the pipeline's tick loop does (``zbjax.profile.looped``); times are
+    # per run.
     backward_input, backward_weight = looped(plain_b), looped(plain_w)
     backward = looped(jaxpr_as_fun(program.backward))
     residuals = args[:num_residuals]
+    # W reads what B wrote for it; taken once (the pools B's calls return are reused).
+    new = backward_input.outputs(backward_input(*args))[1]
 
     b_times, w_times = [], []
 
     def run_split() -> Any:
-        _, new = backward_input(*args)
+        _block(backward_input(*args))  # W starts after B, as in the pipeline
         return _block(backward_weight(residuals, new))
 
     def run_b_then_w() -> None:
         # Waiting for B before W starts tells how the time divides (timed apart from the pairs).
         began = time.perf_counter()
-        _, new = _block(backward_input(*args))
+        _block(backward_input(*args))
         middle = time.perf_counter()
         _block(backward_weight(residuals, new))
         b_times.append((middle - began) / LOOP_RUNS)
@@ -324,14 +334,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs them: B returns the input cotangents and the stash values W needs that are "
             "not residuals; W reads those and, where F stored them, the residuals "
             "(`zbjax.split.forwarded_stash`). BW is the fused backward jitted as one call. "
-            f"Each timed call runs its program {LOOP_RUNS} times in a loop whose outputs go "
-            "into buffers the loop carries, as the pipeline's tick loop writes its slot pools "
-            "(`zbjax.profile.looped`), and times are per run: timed one run per call, every "
-            "run writes freshly allocated outputs whose pages the allocator faults in anew, "
-            "which costs the split (more outputs: B's stash) more than the fused backward. "
-            f"The two alternate (A B B A ...) {args.repeats} times after warm-up; times are "
-            "medians, the ratio is the median over pairs of (B then W) / BW; the B and W "
-            "columns come from separate runs where the host waits for B before starting W. "
+            f"Each timed call runs its program {LOOP_RUNS} times in a loop that writes each "
+            f"run's outputs into a slot of pools of {LOOP_SLOTS} slots kept between calls, as "
+            "the pipeline's tick loop writes its slot pools (`zbjax.profile.looped`): XLA "
+            "computes an output into a buffer of its own and copies it into the slot, which "
+            "costs the split (more outputs: B's stash) more than the fused backward; times "
+            "are per run (timed one run per call, every run would write freshly allocated "
+            "outputs whose pages the allocator faults in anew). W starts when B is done, as in "
+            f"the pipeline. The two alternate (A B B A ...) {args.repeats} times after "
+            "warm-up; times are medians, the ratio is the median over pairs of (B then W) / "
+            "BW; the B and W columns come from separate runs that time B and W apart. "
             "FLOPs are matmul FLOPs counted on the jaxprs (`zbjax.cost_model.matmul_flops`); "
             "residuals MB is M_B (`activation_bytes`, kept from F to B), stash MB is M_W "
             "(`stash_bytes`, what W reads), new MB what B writes for W (the part of the stash "

@@ -330,14 +330,42 @@ def test_looped_runs_the_whole_program_in_every_run_of_its_loop():
     w = jax.random.normal(jax.random.key(0), (16, 16))
     x = jax.random.normal(jax.random.key(1), (8, 16))
     n = jnp.arange(3)
-    run = looped(fn, 5)
-    # The link each run adds is zero: the outputs are fn's.
-    for got, want in zip(jax.tree.leaves(run(w, x, n)), jax.tree.leaves(fn(w, x, n)), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    run = looped(fn, 5, slots=3)
+    want = jax.tree.leaves(fn(w, x, n))
+    for _ in range(2):  # the second call gets the pools the first returned, donated
+        pools = run(w, x, n)
+        # Every run wrote its slot: 5 runs over 3 slots write them all, the last run slot 1.
+        for pool, value in zip(jax.tree.leaves(pools), want, strict=True):
+            assert pool.shape == (3, *value.shape)
+            for slot in range(3):  # the link each run adds is zero: the outputs are fn's
+                np.testing.assert_allclose(pool[slot], value, rtol=1e-6)
+        for got, value in zip(jax.tree.leaves(run.outputs(pools)), want, strict=True):
+            np.testing.assert_allclose(got, value, rtol=1e-6)
     # Both matmuls stay in the loop's body, so every run computes them (nothing hoisted).
     assert _dots_in_loop_body(run.lower(w, x, n).compile().as_text()) == 2
     with pytest.raises(ValueError, match="runs=0"):
         looped(fn, 0)
+    with pytest.raises(ValueError, match="slots=0"):
+        looped(fn, slots=0)
+
+
+def test_looped_writes_each_run_into_its_slot_in_place():
+    from zbjax.profile import looped
+
+    def fn(x):
+        return jnp.tanh(x @ x.T)
+
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    run = looped(fn, 4, slots=2)
+    text = run.lower(x).compile().as_text()
+    # The pool (2 slots of 64 x 64) is carried through the loop and updated in place: nothing
+    # copies a whole pool, which would make every run pay for all the slots.
+    assert not re.search(r"f32\[2,64,64\][^ ]* copy\(", text), text
+    assert "dynamic-update-slice" in text
+    # A call with other shapes gets pools of its own.
+    y = jax.random.normal(jax.random.key(1), (32, 64))
+    np.testing.assert_allclose(run.outputs(run(y)), fn(y), rtol=1e-6)
+    np.testing.assert_allclose(run.outputs(run(x)), fn(x), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- memory, compile time

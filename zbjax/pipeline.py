@@ -223,8 +223,9 @@ class Pipeline:
         Every stage program of this pipeline (built for ``batch``'s shapes) runs jitted alone
         on the first device of the mesh on the first microbatch (its data-parallel shard), F,
         B and W alternating, ``repeats`` times after a warm-up, each time ``profile.LOOP_RUNS``
-        runs in a loop writing into buffers it carries, as the tick loop writes its pools
-        (``profile.looped``); the medians per run are returned.
+        runs in a loop writing each run's outputs into a slot of pools kept between calls, as
+        the tick loop writes its slot pools (``profile.looped``); the medians per run are
+        returned.
         ``comm``: also time one tick's ``ppermute`` of one and of two messages per shift over
         the pipeline axis, all devices at once (``profile.measure_exchange_costs``); a collective
         over the whole mesh.

@@ -7,11 +7,16 @@ programs the pipeline runs. B and W run as the lowering runs them: B writes only
 values W does not read in place (from a kept residual slot, a param or a batch leaf), so a
 first stage's B, which has no input cotangent to compute, costs next to nothing.
 
-Each action is timed as the tick loop runs it: several runs in one jitted loop whose outputs
-go into buffers the loop carries (``looped``). Timed as one call each, every run would write
-freshly allocated outputs; on Linux the allocator hands large freed blocks back to the system,
-so each call faults its output pages in again, which made a 2-stage MLP's first forward measure
-1.7x what it costs inside the pipeline (9.2 ms alone, 5.3 ms once memory is reused).
+Each action is timed as the tick loop runs it: several runs in one jitted loop, each writing
+its outputs into a slot of pools the loop keeps between calls (``looped``). Timed as one call
+each, every run would write freshly allocated outputs; on Linux the allocator hands large freed
+blocks back to the system, so each call faults its output pages in again, which made a 2-stage
+MLP's first forward measure 1.7x what it costs inside the pipeline (9.2 ms alone, 5.3 ms once
+memory is reused). Written whole into buffers the loop carries, the outputs cost less than in
+the pipeline, where XLA computes each into a buffer of its own and copies it into its slot:
+pinned to one core, F measured 1.04-1.10x its whole-buffer cost, the MLP's B (which writes W's
+stash) 1.06x, W and BW 1.00-1.05x (``benchmarks/slot_writes.py``), so whole-buffer costs made
+the split B and W look cheaper next to the fused BW than they run.
 """
 
 from __future__ import annotations
@@ -119,6 +124,8 @@ def lowered_b_and_w(program: StageProgram, num_in: int) -> tuple[Callable, Calla
 
 #: Runs of an action in one timed call of ``looped``.
 LOOP_RUNS = 8
+#: Slots of the pools ``looped`` writes an action's outputs into, run after run in turn.
+LOOP_SLOTS = 2
 
 
 def _first_inexact(leaves: Sequence[Any]) -> int | None:
@@ -129,46 +136,104 @@ def _first_inexact(leaves: Sequence[Any]) -> int | None:
     return None
 
 
-def looped(fn: Callable[..., Any], runs: int = LOOP_RUNS) -> Callable[..., Any]:
-    """Returns ``fn`` jitted to run ``runs`` times in a ``fori_loop`` and return the last
-    run's outputs, as the pipeline's tick loop runs an action.
+class Looped:
+    """``fn`` jitted to run ``runs`` times per call in a ``fori_loop``, as the pipeline's tick
+    loop runs an action (made by ``looped``).
 
-    The outputs go into buffers the loop carries, allocated once per call, as the lowering's
-    slot pools are once per step. Each run's float arguments get the previous run's first float
-    output times zero added, so XLA can neither hoist any part of a run out of the loop nor
-    merge runs (it does not fold ``x * 0`` for floats, which would turn a NaN into 0), and the
-    runs follow one another as the pipeline's do. The additions stand for the pipeline's reads
-    of its buffers: where an operand must be contiguous (a matmul's), both copy it once.
+    Each run writes its outputs into one slot of pools of ``slots`` slots, run after run in
+    turn, as an action writes a slot of the lowering's pools: XLA computes the outputs into
+    buffers of their own and copies them into the slot, a copy an output written whole does
+    not pay. The pools stay allocated between calls (donated to each call, as the lowering's
+    are with ``keep_buffers``), so no call pays for allocating or zeroing them. Each run's
+    float arguments get the previous run's first float output times zero added, so XLA can
+    neither hoist any part of a run out of the loop nor merge runs (it does not fold ``x * 0``
+    for floats, which would turn a NaN into 0), and the runs follow one another as the
+    pipeline's do. The additions stand for the pipeline's reads of its pools: where an operand
+    must be contiguous (a matmul's), both copy it once.
+
+    Calling it returns the pools (every output with a leading axis of ``slots``);
+    ``outputs(pools)`` picks the last run's outputs out of them.
     """
-    if runs < 1:
-        raise ValueError(f"runs={runs}; it must be at least 1")
 
-    @jax.jit
-    def run(*args):
+    def __init__(self, fn: Callable[..., Any], runs: int, slots: int):
+        if runs < 1:
+            raise ValueError(f"runs={runs}; it must be at least 1")
+        if slots < 1:
+            raise ValueError(f"slots={slots}; it must be at least 1")
+        self.fn, self.runs, self.slots = fn, runs, slots
+        self._loop = jax.jit(self._run_loop, donate_argnums=0)
+        last = (runs - 1) % slots
+        self._take = jax.jit(lambda pools: jax.tree.map(lambda p: p[last], pools))
+        self._pools: Any = None
+        self._pools_for: Any = None
+
+    def _run_loop(self, pools: Any, *args: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        out_avals = jax.eval_shape(fn, *args)
+        pool_leaves, pool_def = jax.tree_util.tree_flatten(pools)
 
-        def body(_, carry):
-            link, _ = carry
+        def body(i, carry):
+            link, written = carry
             linked = [
                 x + link.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
                 for x in leaves
             ]
-            outs = fn(*jax.tree_util.tree_unflatten(treedef, linked))
-            out_leaves = jax.tree_util.tree_leaves(outs)
+            out_leaves = jax.tree_util.tree_leaves(
+                self.fn(*jax.tree_util.tree_unflatten(treedef, linked))
+            )
+            slot = i % self.slots
+            written = [
+                jax.lax.dynamic_update_index_in_dim(p, o.astype(p.dtype), slot, 0)
+                for p, o in zip(written, out_leaves, strict=True)
+            ]
             source = _first_inexact(out_leaves)
-            if source is None:
-                return link, outs
-            first = jnp.ravel(out_leaves[source])[0].astype(jnp.float32)
-            return first * jnp.float32(0.0), outs
+            if source is not None:
+                first = jnp.ravel(out_leaves[source])[0].astype(jnp.float32)
+                link = first * jnp.float32(0.0)
+            return link, written
 
-        init = (
-            jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_avals),
-        )
-        return jax.lax.fori_loop(0, runs, body, init)[1]
+        init = (jnp.zeros((), jnp.float32), pool_leaves)
+        written = jax.lax.fori_loop(0, self.runs, body, init)[1]
+        return jax.tree_util.tree_unflatten(pool_def, written)
 
-    return run
+    def _new_pools(self, args: Sequence[Any]) -> Any:
+        """Returns zeroed pools for ``fn``'s outputs on ``args``, on the first argument's
+        device."""
+        out_avals = jax.eval_shape(self.fn, *args)
+        pools = jax.tree.map(lambda a: jnp.zeros((self.slots, *a.shape), a.dtype), out_avals)
+        placed = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
+        if placed:
+            pools = jax.device_put(pools, next(iter(placed[0].devices())))
+        return pools
+
+    def _pools_key(self, args: Sequence[Any]) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        return treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+
+    def __call__(self, *args: Any) -> Any:
+        """Runs ``fn`` ``runs`` times on ``args``; returns the pools its runs wrote, valid until
+        the next call, which writes them again in place."""
+        key = self._pools_key(args)
+        if self._pools is None or self._pools_for != key:
+            self._pools, self._pools_for = self._new_pools(args), key
+        pools, self._pools = self._pools, None  # donated: not to be used again if the call fails
+        self._pools = self._loop(pools, *args)
+        return self._pools
+
+    def outputs(self, pools: Any) -> Any:
+        """Returns the last run's outputs from ``pools`` (what a call returned), as new
+        arrays: the next call reuses the pools."""
+        return self._take(pools)
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """Returns the loop's ``Lowered`` for ``args`` (``.compile()`` works)."""
+        return self._loop.lower(self._new_pools(args), *args)
+
+
+def looped(fn: Callable[..., Any], runs: int = LOOP_RUNS, slots: int = LOOP_SLOTS) -> Looped:
+    """Returns ``fn`` run ``runs`` times per call in a loop writing its outputs into pools of
+    ``slots`` slots kept between calls, as the pipeline's tick loop runs an action
+    (``Looped``)."""
+    return Looped(fn, runs, slots)
 
 
 def median_times(calls: Sequence[tuple[Callable[..., Any], Sequence[Any]]], repeats: int):
@@ -185,6 +250,36 @@ def median_times(calls: Sequence[tuple[Callable[..., Any], Sequence[Any]]], repe
     return [statistics.median(t) for t in times]
 
 
+def stage_cost_calls(
+    graph: StageGraph,
+    programs: Sequence[StageProgram],
+    param_leaves: Sequence[jax.Array],
+    batch_leaves: Sequence[jax.Array],
+    slots: int = LOOP_SLOTS,
+) -> list[tuple[Looped, Sequence[Any]]]:
+    """Returns the (call, arguments) that time every stage's F, B, W and BW in that order,
+    each ``looped`` with ``slots`` slots per output (``batch_leaves``: one microbatch, as the
+    stage graph numbers them). Each call runs ``LOOP_RUNS`` runs."""
+    calls: list[tuple[Looped, Sequence[Any]]] = []
+    for index, program in enumerate(programs):
+        forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
+        num_in = sum(graph.stages[index].input_differentiable)
+        backward_input, backward_weight = (
+            looped(fn, slots=slots) for fn in lowered_b_and_w(program, num_in)
+        )
+        # W's inputs from the very B that is timed (its loop's outputs are B's), so B compiles
+        # once.
+        new = backward_input.outputs(backward_input(*args))[1]
+        residuals = args[: len(program.residual_avals)]
+        calls += [
+            (looped(jaxpr_as_fun(program.forward), slots=slots), forward_args),
+            (backward_input, args),
+            (backward_weight, (residuals, new)),
+            (looped(jaxpr_as_fun(program.backward), slots=slots), args),
+        ]
+    return calls
+
+
 def measure_stage_costs(
     graph: StageGraph,
     programs: Sequence[StageProgram],
@@ -194,29 +289,16 @@ def measure_stage_costs(
 ) -> Costs:
     """Returns per-stage median seconds of F, B, W and the fused backward BW (``Costs.bw``),
     each jitted alone on the device the arguments are on and run ``LOOP_RUNS`` times in a loop
-    per timed call (``looped``), the calls of every stage alternating ``repeats`` times
-    (``batch_leaves``: one microbatch, as the stage graph numbers them).
+    per timed call that writes its outputs into slot pools (``looped``), the calls of every
+    stage alternating ``repeats`` times (``batch_leaves``: one microbatch, as the stage graph
+    numbers them).
 
     Every stage is timed in every round, so load drift over the measurement hits all stages
     alike: timed stage after stage, a drift between them skewed the costs the planner
     balances (on this project's 2-core machine, one stage's F read 1.5x its cost of minutes
     before while the other's did not)."""
     _check_repeats(repeats)
-    calls = []
-    for index, program in enumerate(programs):
-        forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
-        num_in = sum(graph.stages[index].input_differentiable)
-        backward_input, backward_weight = (looped(fn) for fn in lowered_b_and_w(program, num_in))
-        # W's inputs from the very B that is timed (its loop's outputs are B's), so B compiles
-        # once.
-        new = backward_input(*args)[1]
-        residuals = args[: len(program.residual_avals)]
-        calls += [
-            (looped(jaxpr_as_fun(program.forward)), forward_args),
-            (backward_input, args),
-            (backward_weight, (residuals, new)),
-            (looped(jaxpr_as_fun(program.backward)), args),
-        ]
+    calls = stage_cost_calls(graph, programs, param_leaves, batch_leaves)
     times = [t / LOOP_RUNS for t in median_times(calls, repeats)]
     f, b, w, bw = (tuple(times[k::4]) for k in range(4))
     return Costs(f, b, w, 0.0, bw=bw)
