@@ -16,6 +16,7 @@ import bw_split  # noqa: E402
 import gpu  # noqa: E402
 import memory  # noqa: E402
 import multiprocess  # noqa: E402
+import slot_writes  # noqa: E402
 import step_time  # noqa: E402
 
 from zbjax import schedules  # noqa: E402
@@ -27,6 +28,16 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
     assert m.flops_b + m.flops_w == m.flops_bw > 0
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
     assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
+
+
+def test_slot_writes_times_every_action_of_every_stage_both_ways():
+    case = slot_writes.cases(small=True)[0]
+    rows = slot_writes.measure(case, repeats=2)
+    assert [(r.stage, r.action) for r in rows] == [
+        (s, a) for s in range(case.num_stages) for a in slot_writes.ACTIONS
+    ]
+    assert all(r.whole_ms > 0 and r.slots_ms > 0 and r.ratio > 0 for r in rows)
+    assert slot_writes.table(rows).count("\n") == len(rows) + 1
 
 
 def test_textbook_gpipe_equals_jax_grad():
