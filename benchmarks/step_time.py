@@ -302,6 +302,18 @@ def median_ratio(times: dict[str, list[float]], name: str, reference: str) -> fl
     return statistics.median(a / b for a, b in zip(times[name], times[reference], strict=True))
 
 
+def ratio_quartiles(
+    times: dict[str, list[float]], name: str, reference: str
+) -> tuple[float, float]:
+    """Returns the first and third quartiles over rounds of time(name) / time(reference) in
+    the same round: the middle half of the rounds' ratios, how far one round's ratio strays."""
+    ratios = [a / b for a, b in zip(times[name], times[reference], strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
+
+
 def pipeline_step(
     loss_fn: Callable[..., Any],
     schedule: schedules.Schedule,
@@ -427,6 +439,7 @@ class Row:
     m: int
     seconds: float
     ratio: float
+    quartiles: tuple[float, float]
     prediction: Prediction | None
 
 
@@ -437,8 +450,9 @@ def measure_m(
     rounds: int,
     cost_repeats: int,
     slowdown: float = 1.0,
-) -> tuple[list[Row], schedules.Costs]:
-    """Returns the rows for every schedule and both baselines at ``m`` microbatches."""
+) -> tuple[list[Row], schedules.Costs, bool]:
+    """Returns the rows for every schedule and both baselines at ``m`` microbatches, the
+    costs, and whether zb-auto's schedule runs the very actions the target's does."""
     cfg2, cfg4 = mlp_config(setup, NUM_DEVICES), mlp_config(setup, 2 * NUM_DEVICES)
     params = mlp.init_params(jax.random.key(0), cfg2)
     batch = mlp.make_batch(jax.random.key(1), cfg2, m * setup.microbatch_rows)
@@ -481,6 +495,7 @@ def measure_m(
             m,
             statistics.median(times[name]),
             median_ratio(times, name, "1f1b"),
+            ratio_quartiles(times, name, "1f1b"),
             predict(*built[name][:2], slowdown)
             if name in built
             else predict(*built[TARGET][:2], slowdown, pack=False)
@@ -489,7 +504,8 @@ def measure_m(
         )
         for name in variants
     ]
-    return rows, costs2
+    same = built["zb-auto"][0].actions == built[TARGET][0].actions
+    return rows, costs2, same
 
 
 def check_textbook(setup: Setup, mesh: jax.sharding.Mesh, m: int) -> float:
@@ -515,12 +531,13 @@ def table(rows: Sequence[Row], reference: Prediction, overhead: TickOverhead) ->
         return p.lockstep + p.ticks * overhead.per_tick + overhead.fixed
 
     lines = [
-        "| variant | step (ms) | measured / 1f1b | predicted / 1f1b (makespan) | "
+        "| variant | step (ms) | measured / 1f1b | rounds' middle half | "
+        "predicted / 1f1b (makespan) | "
         "predicted / 1f1b (span) | predicted / 1f1b (lockstep) | predicted / 1f1b (lockstep "
         "+ tick overhead) | predicted / 1f1b (lockstep, contended) | predicted step (ms, "
         "lockstep + overhead) | ticks | bubble (makespan) | implied overhead per tick (ms) | "
         "same, devices time-sharing (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         p = row.prediction
@@ -538,7 +555,11 @@ def table(rows: Sequence[Row], reference: Prediction, overhead: TickOverhead) ->
                 f"{(row.seconds - p.lockstep) / p.ticks * 1e3:.2f} | "
                 f"{(row.seconds - p.work) / p.ticks * 1e3:.2f}"
             )
-        lines.append(f"| {row.name} | {row.seconds * 1e3:.1f} | {row.ratio:.3f} | {cells} |")
+        low, high = row.quartiles
+        lines.append(
+            f"| {row.name} | {row.seconds * 1e3:.1f} | {row.ratio:.3f} | "
+            f"{low:.3f}–{high:.3f} | {cells} |"
+        )
     return "\n".join(lines)
 
 
@@ -607,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sections, all_rows, verdicts = [], [], []
     for m in args.microbatches:
-        rows, costs = measure_m(m, setup, mesh, args.rounds, 21, slowdown_before)
+        rows, costs, auto_is_target = measure_m(m, setup, mesh, args.rounds, 21, slowdown_before)
         all_rows += rows
         ref = next(r for r in rows if r.name == "1f1b").prediction
         target = next(r for r in rows if r.name == TARGET)
@@ -615,9 +636,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         off = target.ratio / predicted - 1
         contended = target.prediction.contended / ref.contended
         verdicts.append(
-            f"m = {m}: {TARGET} measured {target.ratio:.3f} vs predicted {predicted:.3f} "
+            f"m = {m}: {TARGET} measured {target.ratio:.3f} (rounds' middle half "
+            f"{target.quartiles[0]:.3f}–{target.quartiles[1]:.3f}) vs predicted {predicted:.3f} "
             f"({off:+.1%}, {'within' if abs(off) <= TARGET_TOLERANCE else 'NOT within'} "
-            f"{TARGET_TOLERANCE:.0%}; contended lockstep predicts {contended:.3f})"
+            f"{TARGET_TOLERANCE:.0%}; contended lockstep predicts {contended:.3f}"
+            + (
+                f"; zb-auto ran the very same actions and measured "
+                f"{next(r for r in rows if r.name == 'zb-auto').ratio:.3f})"
+                if auto_is_target
+                else ")"
+            )
         )
         fused = costs.fused_per_stage(len(costs.f))
         cost_text = ", ".join(
@@ -653,11 +681,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(`pipe.stage`).",
             "Every variant runs once per round, the starting variant rotating, "
             f"{args.rounds} rounds after warm-up; step (ms) is the median, measured / 1f1b the "
-            "median over rounds of the ratio within the round. Predictions simulate the very "
+            "median over rounds of the ratio within the round, *rounds' middle half* its first "
+            "to third quartile over the rounds (how far one round strays: the spread of the "
+            "noise the medians damp; where zb-auto's schedule runs the very actions zb-h2's "
+            "does, the target line says what it measured, another view of the noise). "
+            "Predictions simulate the very "
             "schedule that ran with per-stage costs measured in this process (F, B, W each "
-            "jitted alone, several runs per timed call in a loop writing into carried buffers "
-            "as the tick loop does, `zbjax.profile.looped`; the fused backward BW timed the "
-            "same way, `Costs.bw`): *makespan* is `simulate(...).makespan`, what one "
+            "jitted alone, several runs per timed call in a loop writing each run's outputs "
+            "into a slot of pools kept between calls, as the tick loop writes its slot pools, "
+            "`zbjax.profile.looped`; the fused backward BW timed the same way, `Costs.bw`): "
+            "*makespan* is `simulate(...).makespan`, what one "
             "isolated step takes and therefore what the target uses; *span* is the throughput "
             "the span bubble implies (`span_bubble_rate`: steady state with successive steps "
             "overlapping, which a single jitted step does not do); *lockstep* is how the "
