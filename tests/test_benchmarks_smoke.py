@@ -61,6 +61,10 @@ def test_alternate_times_every_variant_every_round_and_ratios_are_per_round():
     assert [len(t) for t in times.values()] == [3, 3]
     times = {"a": [1.0, 2.0, 3.0], "b": [2.0, 2.0, 2.0]}
     assert step_time.median_ratio(times, "a", "b") == 1.0
+    # The middle half of the per-round ratios 0.5, 1, 1.5, 2, 2.5: from 1 to 2.
+    times = {"a": [1.0, 4.0, 2.0, 5.0, 3.0], "b": [2.0] * 5}
+    assert step_time.ratio_quartiles(times, "a", "b") == pytest.approx((1.0, 2.0))
+    assert step_time.ratio_quartiles({"a": [3.0], "b": [2.0]}, "a", "b") == (1.5, 1.5)
 
 
 def _programs(num_stages, activation_bytes):
