@@ -14,8 +14,8 @@ blocks back to the system, so each call faults its output pages in again, which 
 MLP's first forward measure 1.7x what it costs inside the pipeline (9.2 ms alone, 5.3 ms once
 memory is reused). Written whole into buffers the loop carries, the outputs cost less than in
 the pipeline, where XLA computes each into a buffer of its own and copies it into its slot:
-pinned to one core, F measured 1.04-1.10x its whole-buffer cost, the MLP's B (which writes W's
-stash) 1.06x, W and BW 1.00-1.05x (``benchmarks/slot_writes.py``), so whole-buffer costs made
+pinned to one core, F measured 1.01-1.11x its whole-buffer cost, the MLP's B (which writes W's
+stash) 1.07x, W and BW 1.01-1.04x (``benchmarks/slot_writes.py``), so whole-buffer costs made
 the split B and W look cheaper next to the fused BW than they run.
 """
 
