@@ -366,6 +366,13 @@ def test_looped_writes_each_run_into_its_slot_in_place():
     y = jax.random.normal(jax.random.key(1), (32, 64))
     np.testing.assert_allclose(run.outputs(run(y)), fn(y), rtol=1e-6)
     np.testing.assert_allclose(run.outputs(run(x)), fn(x), rtol=1e-6)
+    # A call that fails loses the donated pools; the next call with the same arguments gets
+    # new ones.
+    run._loop = None  # any failure inside the call
+    with pytest.raises(TypeError):
+        run(x)
+    run._loop = jax.jit(run._run_loop, donate_argnums=0)
+    np.testing.assert_allclose(run.outputs(run(x)), fn(x), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- memory, compile time

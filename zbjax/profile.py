@@ -217,8 +217,11 @@ class Looped:
         """Runs ``fn`` ``runs`` times on ``args``; returns the pools its runs wrote, valid until
         the next call, which writes them again in place."""
         # The very arguments of the last call (as timing passes them) need no shape check.
-        same = self._args is not None and len(args) == len(self._args)
-        if not (same and all(a is b for a, b in zip(args, self._args, strict=True))):
+        last = self._args
+        same = last is not None and len(args) == len(last)
+        if self._pools is None or not (
+            same and all(a is b for a, b in zip(args, last, strict=True))
+        ):
             key = self._pools_key(args)
             if self._pools is None or self._pools_for != key:
                 self._pools, self._pools_for = self._new_pools(args), key
