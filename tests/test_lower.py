@@ -266,6 +266,41 @@ def test_packed_ticks_still_equal_value_and_grad(name, devices, micro, monkeypat
     assert_matches(result, loss_fn, params, batch)
 
 
+#: Four uneven stages and an exchange costing a third of an F, under which the planner lays
+#: four devices' ticks out around their exchanges (``ticks.segment_ticks``).
+SEGMENT_COSTS = schedules.Costs(
+    (1.0, 1.2, 1.0, 1.1), (0.1, 1.0, 1.0, 0.9), (1.5, 0.6, 0.5, 0.7), 0.3
+)
+
+
+@pytest.mark.parametrize("name, micro", [("1f1b", 4), ("zb-h1", 8), ("zb-h2", 8), ("dag-zb", 4)])
+def test_segmented_ticks_on_four_devices_still_equal_value_and_grad(name, micro):
+    if name == "dag-zb":  # stage 0 sends over two shifts, stage 3 receives over two
+        specs, edges, params, loss_fn = dag_model()
+        schedule = schedules.build(name, 4, micro, edges=edges, placement=(0, 1, 2, 3))
+    else:
+        specs, edges, params, loss_fn = chain_mlp(4)
+        schedule = schedules.build(name, 4, micro)
+    batch = make_batch(micro)
+    graph, programs = handmade(specs, edges, params, [b[:MICRO] for b in batch])
+    low, result = run_lowered(graph, programs, schedule, params, batch, SEGMENT_COSTS)
+    # The loop runs the segments ...
+    segmented = ticks.segment_ticks(low.schedule, SEGMENT_COSTS)
+    expected = ticks.tick_tables(low.schedule, positions=segmented)
+    np.testing.assert_array_equal(low.tables.kind, expected.kind)
+    # ... where they beat every packing of the fixed ticks.
+    packed = ticks.barrier_time(low.schedule, ticks.pack_ticks(low.schedule), SEGMENT_COSTS)
+    for slack in ticks.PACKING_SLACKS:
+        for kinds, lanes in ticks.PACKINGS:
+            for share in (False, True):
+                positions = ticks.pack_ticks(
+                    low.schedule, SEGMENT_COSTS, slack, lanes, kinds, share
+                )
+                packed = min(packed, ticks.barrier_time(low.schedule, positions, SEGMENT_COSTS))
+    assert ticks.barrier_time(low.schedule, segmented, SEGMENT_COSTS) < packed * (1 - 1e-9)
+    assert_matches(result, loss_fn, params, batch)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_tied_leaf_gradient_sums_both_stages_on_one_or_two_devices(name):
     devices, micro = 2, 4

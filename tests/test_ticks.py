@@ -1,6 +1,8 @@
 """Tick tables: lockstep timing, slot allocation and message routing of a schedule (no JAX)."""
 
 import dataclasses
+import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -520,26 +522,25 @@ PROCESS_COSTS = schedules.Costs((4.51, 4.87), (0.06, 4.59), (8.71, 6.35), 2.09)
 
 def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: int) -> float:
     """Returns the least time of ``segment_ticks``'s model by trying every way of cutting the
-    two programs into segments (exponential: for tiny schedules only)."""
+    devices' programs into segments (exponential in the devices: for tiny schedules only)."""
     programs = schedule.actions
+    sizes = tuple(len(p) for p in programs)
     kinds = schedules.backward_kinds(schedule)
     where = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
     edges = [MessageEdge(a, b) for a, b in schedule.edges]
 
     def messages(action):
-        # The shift of every message ``action`` sends.
+        # The shift of every message ``action`` sends to another device.
         if action.kind == "W":
             return []
         backward = action.kind != "F"
-        return [s for s, _, _ in outgoing_messages(edges, schedule.placement, 2, action.stage,
-                                                   backward)]  # fmt: skip
-
-    def sends(action):
-        return set(messages(action))
+        return [s for s, _, _ in outgoing_messages(edges, schedule.placement,
+                                                   schedule.num_devices, action.stage,
+                                                   backward) if s]  # fmt: skip
 
     def most_messages(d, start, end):
-        # The most messages device d's actions start..end send over one shift to the other.
-        shifts = [s for i in range(start, end) for s in messages(programs[d][i]) if s % 2]
+        # The most messages device d's actions start..end send over one shift.
+        shifts = [s for i in range(start, end) for s in messages(programs[d][i])]
         return max((shifts.count(s) for s in shifts), default=0)
 
     def runs(frontier, d):
@@ -551,7 +552,7 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
             if any(dep.stage != action.stage and where[dep][1] >= frontier[where[dep][0]]
                    for dep in needs):  # fmt: skip
                 break
-            if sends(action):
+            if messages(action):
                 senders = senders + [i]
             if senders and i - senders[0] >= lanes:
                 break
@@ -559,26 +560,24 @@ def fewest_segment_seconds(schedule: Schedule, costs: schedules.Costs, lanes: in
             out.append((i + 1, seconds, senders))
         return out
 
+    @functools.cache
     def best(frontier):
-        if frontier == (len(programs[0]), len(programs[1])):
+        if frontier == sizes:
             return 0.0
         options = []
-        for e0, s0, senders0 in runs(frontier, 0):
-            for e1, s1, senders1 in runs(frontier, 1):
-                if (e0, e1) == frontier:
-                    continue
-                exchange = any(
-                    sends(programs[d][i]) - {0} for d, ss in ((0, senders0), (1, senders1))
-                    for i in ss
-                )  # fmt: skip
-                if not exchange and (e0, e1) != (len(programs[0]), len(programs[1])):
-                    continue
-                sent = max(most_messages(0, frontier[0], e0), most_messages(1, frontier[1], e1))
-                comm = costs.exchange(sent) if exchange else 0.0
-                options.append(max(s0, s1) + comm + best((e0, e1)))
+        for picked in itertools.product(*(runs(frontier, d) for d in range(len(sizes)))):
+            end = tuple(run[0] for run in picked)
+            if end == frontier:
+                continue
+            exchange = any(senders for _, _, senders in picked)
+            if not exchange and end != sizes:
+                continue
+            sent = max(most_messages(d, frontier[d], end[d]) for d in range(len(sizes)))
+            comm = costs.exchange(sent) if exchange else 0.0
+            options.append(max(run[1] for run in picked) + comm + best(end))
         return min(options, default=float("inf"))
 
-    return best((0, 0))
+    return best(tuple(0 for _ in sizes))
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"])
@@ -652,7 +651,74 @@ def test_exchanges_are_charged_by_the_messages_their_largest_payload_carries():
 def test_segment_ticks_skip_what_they_cannot_search(monkeypatch):
     schedule = build("zb-v", 2, 4)  # its V placement has an edge inside each device
     assert segment_ticks(schedule, costs_for(schedule, PACKING_COSTS)) is None
-    assert segment_ticks(build("zb-h2", 4, 8), PACKING_COSTS) is None  # four devices
+    assert segment_ticks(build("zb-h2", 1, 4), PACKING_COSTS) is None  # one device
     assert segment_ticks(build("zb-h2", 2, 8), PROCESS_COSTS) is not None
     monkeypatch.setattr(ticks_module, "SEGMENT_STATES", 100)
     assert segment_ticks(build("zb-h2", 2, 8), PROCESS_COSTS) is None  # 25 x 25 pairs
+
+
+#: Uneven costs of four stages with an exchange: a first stage with a cheap B and a long W.
+FOUR_STAGE_COSTS = schedules.Costs(
+    (1.0, 1.2, 1.0, 1.1), (0.1, 1.0, 1.0, 0.9), (1.5, 0.6, 0.5, 0.7), 0.3
+)
+
+
+@pytest.mark.parametrize(
+    "name, devices, micro",
+    [("gpipe", 4, 4), ("1f1b", 4, 4), ("zb-h1", 4, 4), ("zb-h2", 4, 4), ("zb-h2", 3, 3),
+     ("interleaved-1f1b", 3, 3), ("dag-zb", 4, 4)],
+)  # fmt: skip
+def test_segment_ticks_on_more_devices_find_the_fastest_segments(name, devices, micro):
+    if name == "dag-zb":  # a diamond: stage 0 sends to stages 1 and 2 over two shifts
+        edges = ((0, 1), (0, 2), (1, 3), (2, 3))
+        schedule = schedules.build(name, 4, micro, edges=edges, placement=(0, 1, 2, 3))
+    else:
+        schedule = build(name, devices, micro)
+    chunks = schedule.num_stages // devices
+    f, b, w = (tuple(x / chunks for _ in range(chunks) for x in v[:devices])
+               for v in FOUR_STAGE_COSTS.per_stage(4))  # fmt: skip
+    costs = schedules.Costs(f, b, w, FOUR_STAGE_COSTS.comm)
+    for lanes in (1, 3):
+        positions = segment_ticks(schedule, costs, lanes)
+        assert 1 + max(lane for _, lane in positions.values()) <= lanes
+        tables = tick_tables(schedule, positions=positions)
+        assert decode_actions(tables) == schedule.actions
+        replay(tables, schedule)
+        # Where an exchange costs the same whatever it carries, the search finds the least
+        # time of every way of cutting the programs into segments.
+        seconds = barrier_time(schedule, positions, costs)
+        assert seconds == pytest.approx(fewest_segment_seconds(schedule, costs, lanes))
+        assert seconds <= barrier_time(schedule, pack_ticks(schedule), costs) + 1e-9
+
+
+def test_choose_ticks_takes_segments_on_four_devices_where_they_pay():
+    # The 1.5B profile of the Zero Bubble paper (F, B, W, comm in us): zb-h1's ticks packed
+    # into lockstep run 10 % longer than the event-driven makespan; the exchanges placed first,
+    # under 4 % longer.
+    costs = schedules.Costs(18522, 18086, 9337, 601)
+    schedule = build("zb-h1", 4, 8)
+    makespan = schedules.simulate(schedule, costs).makespan
+    packed = min(
+        barrier_time(schedule, pack_ticks(schedule, costs, slack, lanes, kinds), costs)
+        for slack in ticks_module.PACKING_SLACKS
+        for kinds, lanes in ticks_module.PACKINGS
+    )
+    chosen = choose_ticks(schedule, costs)
+    assert chosen == segment_ticks(schedule, costs)
+    assert barrier_time(schedule, chosen, costs) < 1.04 * makespan < 0.95 * packed
+
+
+def test_segment_search_on_more_devices_weights_its_estimate_then_gives_up(monkeypatch):
+    schedule = build("zb-h2", 4, 8)
+    costs = FOUR_STAGE_COSTS
+    least = barrier_time(schedule, segment_ticks(schedule, costs), costs)
+    # Past its first share of frontiers the search weights its estimate of the time left: it
+    # ends sooner, at most that weight times the least time.
+    monkeypatch.setattr(ticks_module, "SEGMENT_EXPANSIONS", 20)
+    monkeypatch.setattr(ticks_module, "SEGMENT_WEIGHTS", (1.0, 3.0))
+    weighted = segment_ticks(schedule, costs)
+    assert weighted is not None
+    assert least <= barrier_time(schedule, weighted, costs) <= 3.0 * least
+    replay(tick_tables(schedule, positions=weighted), schedule)
+    monkeypatch.setattr(ticks_module, "SEGMENT_WEIGHTS", (1.0,))
+    assert segment_ticks(schedule, costs) is None

@@ -392,8 +392,8 @@ def lower(
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
 
     With ``costs`` (per-stage F/B/W times, any unit), devices that finish a tick's action early
-    also run the next actions that fit in the rest of the tick, or on two devices the ticks are
-    laid out around the fewest exchanges (``ticks.choose_ticks``), and a
+    also run the next actions that fit in the rest of the tick, or the ticks are laid out
+    around the fewest exchanges (``ticks.choose_ticks``), and a
     stage whose B computes nothing runs its backward fused where that shortens the ticks
     (``ticks.plan_ticks``); ``Lowering.schedule`` is the schedule that runs.
     """

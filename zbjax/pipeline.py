@@ -827,9 +827,9 @@ def pipeline(
     ``pack_ticks``: the compiled step advances all devices tick by tick, each tick as long as
     its slowest action; when packing, a device that would finish early also runs its next
     actions that fit in the rest of the tick (W, and F, B or BW whose inputs arrived at an
-    earlier tick), judged by ``costs``, if that shortens the predicted step; on two
-    devices whose stage graph crosses between them at every edge, the ticks may instead be
-    laid out around the fewest, best-placed exchanges (``ticks.segment_ticks``) where that
+    earlier tick), judged by ``costs``, if that shortens the predicted step; where every
+    edge of the stage graph crosses between devices, the ticks may instead be laid out
+    around the fewest, best-placed exchanges (``ticks.segment_ticks``) where that
     predicts a shorter step; and a stage whose B computes nothing (no differentiable input,
     like the first) runs its backward fused where B stood if that does (``pipe.schedule`` is
     then the fused schedule).

@@ -6,9 +6,9 @@ before ``t`` (data produced during tick ``t`` is moved at the end of tick ``t`` 
 ``t + 1``). A tick lasts as long as its slowest device, so when costs are known a device that
 finishes early may run its next actions in *lanes* after the main one (``pack_ticks``): W
 (which sends nothing and needs only its own stage's B), and also F, B or BW whose messages
-arrived at an earlier tick, so the time the tick spends anyway goes to work. On two devices
-``segment_ticks`` may lay the ticks out the other way round: first where the devices meet (the
-exchanges), then each device's actions between them. This module turns a ``Schedule`` into
+arrived at an earlier tick, so the time the tick spends anyway goes to work. ``segment_ticks``
+may lay the ticks out the other way round: first where the devices meet (the exchanges), then
+each device's actions between them. This module turns a ``Schedule`` into
 integer tables indexed ``[tick, device, lane]`` and allocates the buffer slots the lowering
 reads and writes. Pure Python and NumPy, no JAX.
 
@@ -399,132 +399,302 @@ def barrier_time(
     return _stretch_time(schedule, positions, costs, every_tick=False, contention=contention)
 
 
-#: The most (device 0, device 1) frontier pairs ``segment_ticks`` searches; past it (about
-#: m = 70 microbatches of a one-stage-per-device schedule) ``choose_ticks`` does without it.
+#: The most (device 0, device 1) frontier pairs ``segment_ticks`` searches on two devices; past
+#: it (about m = 70 microbatches of a one-stage-per-device schedule) ``choose_ticks`` does
+#: without it.
 SEGMENT_STATES = 50_000
+#: The frontiers ``segment_ticks`` expands on more than two devices per weight of
+#: ``SEGMENT_WEIGHTS`` (about 60 us each at 8 devices): a search that has not ended after the
+#: first share goes on with the next weight, and past the last one ``choose_ticks`` does
+#: without it.
+SEGMENT_EXPANSIONS = 5_000
+#: How much the search on more than two devices trusts its estimate of the time left, share by
+#: share: 1 is exact A* (the least time); a larger weight w reaches the end sooner and costs at
+#: most w times the least.
+SEGMENT_WEIGHTS = (1.0, 1.05, 1.25, 2.0)
 #: The most lanes ``segment_ticks`` gives a tick (the main one and those after it), as many as
 #: ``PACKINGS`` use: each lane adds a conditional per (kind, stage) to the compiled tick.
 SEGMENT_LANES = 3
+
+#: A device's run in a segment: (end, busy seconds, whether it sends, the most messages it
+#: sends over one shift).
+_Run = tuple[int, float, bool, int]
+
+
+class _Segments:
+    """The model ``segment_ticks`` searches: each device's programs cut into runs, the devices
+    waiting for each other after each segment (one run per device)."""
+
+    def __init__(self, schedule: Schedule, costs: Costs, lanes: int):
+        self.schedule, self.costs, self.lanes = schedule, costs, lanes
+        programs = schedule.actions
+        self.sizes = tuple(len(p) for p in programs)
+        deps = _checked_dependencies(schedule)
+        counts = _message_counts(schedule)
+        index = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
+        self.index = index
+        # need[d][i]: how far other devices' programs must have run in earlier segments for
+        # action i of device d, as (device, one past its last dependency there).
+        self.need: list[list[tuple[tuple[int, int], ...]]] = []
+        for program in programs:
+            rows = []
+            for action in program:
+                needed: dict[int, int] = {}
+                for dep in deps[action]:
+                    if dep.stage != action.stage:
+                        other, j = index[dep]
+                        needed[other] = max(needed.get(other, 0), j + 1)
+                rows.append(tuple(needed.items()))
+            self.need.append(rows)
+        # How many messages each action sends over each shift to another device.
+        self.messages = [
+            [{s: n for s, n in _messages_of(counts, a).items() if s} for a in p] for p in programs
+        ]
+        self.sends = [[bool(m) for m in p] for p in self.messages]
+        self.seconds = [[costs.of(a, schedule.num_stages) for a in p] for p in programs]
+        self.deps = deps
+
+    def extents(self, d: int, frontier: tuple[int, ...]) -> list[_Run]:
+        """Returns every run device d may take from ``frontier``, shortest first: while what
+        each action needs from other stages ran in earlier segments, and for at most ``lanes``
+        actions from its first that sends a message on (every message it sends in the segment
+        travels in the segment's one exchange)."""
+        out, busy, sender = [(frontier[d], 0.0, False, 0)], 0.0, None
+        per_shift: dict[int, int] = {}
+        for i in range(frontier[d], self.sizes[d]):
+            if any(frontier[o] < j for o, j in self.need[d][i]):
+                break
+            if self.sends[d][i] and sender is None:
+                sender = i
+            if sender is not None and i - sender >= self.lanes:
+                break
+            busy += self.seconds[d][i]
+            for shift, n in self.messages[d][i].items():
+                per_shift[shift] = per_shift.get(shift, 0) + n
+            out.append((i + 1, busy, sender is not None, max(per_shift.values(), default=0)))
+        return out
+
+    def segment_cost(
+        self, runs: Sequence[_Run], end: tuple[int, ...]
+    ) -> tuple[float, float] | None:
+        """Returns what a segment of ``runs`` ending at ``end`` costs, as its busiest device's
+        time and its exchange's, or None where it may not end there: devices wait for each other
+        only at exchanges, so a segment without one would run on into the next; only the last
+        may go without."""
+        exchange = any(r[2] for r in runs)
+        if not exchange and end != self.sizes:
+            return None
+        comm = self.costs.exchange(max(r[3] for r in runs)) if exchange else 0.0
+        return max(r[1] for r in runs), comm
+
+    def pairs(self) -> list[tuple[int, ...]] | None:
+        """Returns the frontiers after each segment of the least-time cutting of two devices'
+        programs: exact dynamic programming over every pair of frontiers."""
+        sizes = self.sizes
+        best: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None]] = {(0, 0): (0.0, None)}
+        for c0 in range(sizes[0] + 1):
+            for c1 in range(sizes[1] + 1):
+                if (c0, c1) not in best:
+                    continue
+                base = best[(c0, c1)][0]
+                runs1 = self.extents(1, (c0, c1))
+                for run0 in self.extents(0, (c0, c1)):
+                    for run1 in runs1:
+                        end = (run0[0], run1[0])
+                        if end == (c0, c1):
+                            continue
+                        cost = self.segment_cost((run0, run1), end)
+                        if cost is None:
+                            continue
+                        total = base + cost[0] + cost[1]
+                        if total < best.get(end, (float("inf"),))[0]:
+                            best[end] = (total, (c0, c1))
+        return _frontiers(best, sizes)
+
+    def time_left(self) -> list[list[float]]:
+        """Returns, per device and program index, a lower bound on the time from that action's
+        start to the step's end: the longest chain of actions from it (the device's next
+        actions, and what depends on it on other stages, each such message costing at least one
+        exchange)."""
+        users: dict[Action, list[Action]] = {a: [] for a in self.index}
+        for action, needs in self.deps.items():
+            for dep in needs:
+                if dep.stage != action.stage:
+                    users[dep].append(action)
+        comm = self.costs.exchange(1)
+        left = [[0.0] * (n + 1) for n in self.sizes]
+        # Reverse topological order: a device's actions in reverse, an action after those that
+        # need it (every such user is later in the dependency order).
+        order = _dependency_order(self.schedule, self.deps)
+        for action in reversed(order):
+            d, i = self.index[action]
+            after = left[d][i + 1]
+            for user in users[action]:
+                u, j = self.index[user]
+                after = max(after, comm + left[u][j])
+            left[d][i] = self.seconds[d][i] + after
+        return left
+
+    def best_first(self) -> list[tuple[int, ...]] | None:
+        """Returns the frontiers after each segment of a least-time cutting of the devices'
+        programs, found by best-first search (A*) over frontiers: from each frontier, for each
+        segment length (the time of one of the devices' runs), every device takes its longest
+        run that fits, which loses nothing where an exchange costs the same whatever it carries
+        (a frontier further on every device, reached as soon, is as good). Estimates the time
+        left by ``time_left`` (never more than it is, so the first search is exact); after
+        ``SEGMENT_EXPANSIONS`` frontiers it weights the estimate by the next of
+        ``SEGMENT_WEIGHTS``, and gives up (None) after the last."""
+        sizes = self.sizes
+        left = self.time_left()
+
+        def estimate(frontier: tuple[int, ...]) -> float:
+            return max(left[d][i] for d, i in enumerate(frontier))
+
+        start = tuple(0 for _ in sizes)
+        best: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None]] = {start: (0.0, None)}
+        heap = [(estimate(start), 0.0, start)]
+        expanded, weight = 0, SEGMENT_WEIGHTS[0]
+        while heap:
+            _, base, frontier = heapq.heappop(heap)
+            if base > best[frontier][0]:
+                continue  # reached sooner since it was queued
+            if frontier == sizes:
+                return _frontiers(best, sizes)
+            expanded += 1
+            if expanded % SEGMENT_EXPANSIONS == 0:
+                share = expanded // SEGMENT_EXPANSIONS
+                if share == len(SEGMENT_WEIGHTS):
+                    return None
+                weight = SEGMENT_WEIGHTS[share]
+                heap = [(g + weight * estimate(f), g, f) for _, g, f in heap if g <= best[f][0]]
+                heapq.heapify(heap)
+            runs = [self.extents(d, frontier) for d in range(len(sizes))]
+            for limit in sorted({r[1] for device_runs in runs for r in device_runs[1:]}):
+                # Every device's longest run within ``limit``.
+                picks = [
+                    max((r for r in device_runs if r[1] <= limit * (1 + 1e-9)), key=_run_end)
+                    for device_runs in runs
+                ]
+                end = tuple(r[0] for r in picks)
+                if end == frontier:
+                    continue
+                cost = self.segment_cost(picks, end)
+                if cost is None:
+                    continue
+                total = base + cost[0] + cost[1]
+                if total < best.get(end, (float("inf"),))[0] * (1 - 1e-12):
+                    best[end] = (total, frontier)
+                    heapq.heappush(heap, (total + weight * estimate(end), total, end))
+        return None
+
+    def positions(self, frontiers: Sequence[tuple[int, ...]]) -> dict[Action, tuple[int, int]]:
+        """Returns (tick, lane) of every action, the segments between ``frontiers`` becoming as
+        few ticks as their senders and ``lanes`` allow: each device's actions one per tick, its
+        first sender in the segment's last tick (the only one that exchanges), and what comes
+        after it (or, without a sender, what does not fit before) in lanes of that tick."""
+        programs, lanes = self.schedule.actions, self.lanes
+        positions: dict[Action, tuple[int, int]] = {}
+        tick = 0
+        for start, end in zip(frontiers, frontiers[1:], strict=False):
+            runs = [programs[d][start[d] : end[d]] for d in range(len(programs))]
+            senders = [  # a run's first sender, if any
+                next((k for k in range(len(run)) if self.sends[d][start[d] + k]), None)
+                for d, run in enumerate(runs)
+            ]
+            length = max(
+                1,
+                *(
+                    len(run) - lanes + 1 if k is None else k + 1
+                    for run, k in zip(runs, senders, strict=True)
+                ),
+            )
+            last = tick + length - 1
+            for run, sender in zip(runs, senders, strict=True):
+                first = tick if sender is None else last - sender
+                for k, action in enumerate(run):
+                    positions[action] = (
+                        (first + k, 0) if first + k <= last else (last, first + k - last)
+                    )
+            tick += length
+        return positions
+
+
+def _run_end(run: _Run) -> int:
+    return run[0]
+
+
+def _frontiers(
+    best: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None]], sizes: tuple[int, ...]
+) -> list[tuple[int, ...]] | None:
+    """Returns the frontiers from the start to ``sizes`` along ``best``'s back links."""
+    if sizes not in best:
+        return None
+    frontiers = [sizes]
+    while best[frontiers[-1]][1] is not None:
+        frontiers.append(best[frontiers[-1]][1])
+    return frontiers[::-1]
+
+
+def _dependency_order(schedule: Schedule, deps: dict[Action, tuple[Action, ...]]) -> list[Action]:
+    """Returns the schedule's actions in an order where each comes after its dependencies and
+    after the device's earlier actions."""
+    previous = {}
+    for program in schedule.actions:
+        for a, b in zip(program, program[1:], strict=False):
+            previous[b] = a
+    waiting = {
+        a: set(needs) | ({previous[a]} if a in previous else set()) for a, needs in deps.items()
+    }
+    users: dict[Action, list[Action]] = {a: [] for a in deps}
+    for a, needs in waiting.items():
+        for dep in needs:
+            users[dep].append(a)
+    ready = [a for a, needs in waiting.items() if not needs]
+    order = []
+    while ready:
+        action = ready.pop()
+        order.append(action)
+        for user in users[action]:
+            waiting[user].discard(action)
+            if not waiting[user]:
+                ready.append(user)
+    return order
 
 
 def segment_ticks(
     schedule: Schedule, costs: Costs, lanes: int = SEGMENT_LANES
 ) -> dict[Action, tuple[int, int]] | None:
-    """Returns (tick, lane) of every action of a two-device ``schedule`` placed so that the
-    devices meet at the fewest, best-placed exchanges: the least ``barrier_time`` over every
-    way of cutting the two programs into *segments* (each device's next run of actions, the
-    devices waiting for each other after each segment). None for more devices, for a stage
-    graph with an edge inside a device (a V placement: its local messages need a tick, not an
-    exchange, between sender and reader) and past ``SEGMENT_STATES`` frontier pairs.
+    """Returns (tick, lane) of every action of ``schedule`` placed so that the devices meet at
+    the fewest, best-placed exchanges: the least ``barrier_time`` over the ways of cutting the
+    devices' programs into *segments* (each device's next run of actions, the devices waiting
+    for each other after each segment). None on one device, for a stage graph with an edge
+    inside a device (a V placement: its local messages need a tick, not an exchange, between
+    sender and reader), and where the search gives up (``SEGMENT_STATES`` on two devices,
+    ``SEGMENT_EXPANSIONS`` on more).
 
     A segment may hold an action only when everything it needs from another stage ran in an
     earlier segment, and at most ``lanes`` actions per device from its first action that sends a
     message on (every message a device sends in the segment travels in its one exchange); every
-    segment but the last ends in an exchange (some action sends to the other device). It costs
-    its busier device's time plus, when it exchanges, ``Costs.exchange`` of the most messages
-    one device sends in it, which is what ``barrier_time`` charges its ticks. The search is
-    exact (dynamic programming over the pairs of frontiers). A segment becomes as few ticks as
-    its senders and ``lanes`` allow: each device's actions one per tick, its first sender in the
-    segment's last tick (the only one that exchanges), and what comes after it (or, without a
-    sender, what does not fit before) in lanes of that tick. ``pack_ticks`` fixes the ticks
-    first and packs into them; this places the exchanges first.
+    segment but the last ends in an exchange (some action sends to another device). It costs
+    its busiest device's time plus, when it exchanges, ``Costs.exchange`` of the most messages
+    one device sends over one shift in it, which is what ``barrier_time`` charges its ticks. On
+    two devices the search is exact (dynamic programming over the pairs of frontiers); on more,
+    best-first over frontiers (``_Segments.best_first``: exact where an exchange costs the same
+    whatever it carries, and within its first ``SEGMENT_EXPANSIONS``). A segment becomes as few
+    ticks as its senders and ``lanes`` allow (``_Segments.positions``). ``pack_ticks`` fixes the
+    ticks first and packs into them; this places the exchanges first.
     """
     placement = schedule.placement
-    if schedule.num_devices != 2 or any(placement[a] == placement[b] for a, b in schedule.edges):
+    if schedule.num_devices < 2 or any(placement[a] == placement[b] for a, b in schedule.edges):
         return None
-    programs = schedule.actions
-    sizes = [len(p) for p in programs]
-    if (sizes[0] + 1) * (sizes[1] + 1) > SEGMENT_STATES:
-        return None
-    deps = _checked_dependencies(schedule)
-    counts = _message_counts(schedule)
-    index = {a: (d, i) for d, p in enumerate(programs) for i, a in enumerate(p)}
-    # need[d][i]: how far each device's program must have run in earlier segments for action i
-    # of device d (one past its last dependency on another stage there).
-    need = [[[0, 0] for _ in p] for p in programs]
-    for d, program in enumerate(programs):
-        for i, action in enumerate(program):
-            for dep in deps[action]:
-                if dep.stage != action.stage:
-                    other, j = index[dep]
-                    need[d][i][other] = max(need[d][i][other], j + 1)
-    # How many messages each action sends over each shift (to the other device: every edge
-    # crosses), and whether it sends any.
-    messages = [[_messages_of(counts, a) for a in p] for p in programs]
-    sends = [[bool(m) for m in p] for p in messages]
-    seconds = [[costs.of(a, schedule.num_stages) for a in p] for p in programs]
-
-    def extents(d: int, frontier: tuple[int, int]) -> list[tuple[int, float, bool, int]]:
-        # (end, busy seconds, whether it sends, the most messages it sends over one shift) of
-        # every run device d may take from ``frontier``.
-        out, busy, sender = [(frontier[d], 0.0, False, 0)], 0.0, None
-        per_shift: dict[int, int] = {}
-        for i in range(frontier[d], sizes[d]):
-            if need[d][i][0] > frontier[0] or need[d][i][1] > frontier[1]:
-                break
-            if sends[d][i] and sender is None:
-                sender = i
-            if sender is not None and i - sender >= lanes:
-                break
-            busy += seconds[d][i]
-            for shift, n in messages[d][i].items():
-                per_shift[shift] = per_shift.get(shift, 0) + n
-            out.append((i + 1, busy, sender is not None, max(per_shift.values(), default=0)))
-        return out
-
-    best: dict[tuple[int, int], tuple[float, tuple[int, int] | None]] = {(0, 0): (0.0, None)}
-    for c0 in range(sizes[0] + 1):
-        for c1 in range(sizes[1] + 1):
-            if (c0, c1) not in best:
-                continue
-            base = best[(c0, c1)][0]
-            runs1 = extents(1, (c0, c1))
-            for e0, busy0, exchange0, sent0 in extents(0, (c0, c1)):
-                for e1, busy1, exchange1, sent1 in runs1:
-                    if (e0, e1) == (c0, c1):
-                        continue
-                    # Devices wait for each other only at exchanges: a segment without one
-                    # would run on into the next, so only the last may go without.
-                    if not (exchange0 or exchange1) and (e0, e1) != (sizes[0], sizes[1]):
-                        continue
-                    comm = costs.exchange(max(sent0, sent1)) if exchange0 or exchange1 else 0.0
-                    total = base + max(busy0, busy1) + comm
-                    if total < best.get((e0, e1), (float("inf"),))[0]:
-                        best[(e0, e1)] = (total, (c0, c1))
-    if (sizes[0], sizes[1]) not in best:
-        return None
-    cuts, frontier = [], (sizes[0], sizes[1])
-    while frontier != (0, 0):
-        start = best[frontier][1]
-        cuts.append((start, frontier))
-        frontier = start
-    positions: dict[Action, tuple[int, int]] = {}
-    tick = 0
-    for start, end in reversed(cuts):
-        runs = [programs[d][start[d] : end[d]] for d in range(2)]
-        senders = [  # a run's first sender, if any
-            next((k for k in range(len(run)) if sends[d][start[d] + k]), None)
-            for d, run in enumerate(runs)
-        ]
-        # The segment's last tick is the senders'. Before it a device runs an action per tick
-        # (up to its first sender, or filling the segment), and the rest in lanes of the last
-        # tick, where every message it sends shares the one exchange.
-        length = max(
-            1,
-            *(
-                len(run) - lanes + 1 if k is None else k + 1
-                for run, k in zip(runs, senders, strict=True)
-            ),
-        )
-        last = tick + length - 1
-        for run, sender in zip(runs, senders, strict=True):
-            first = tick if sender is None else last - sender
-            for k, action in enumerate(run):
-                positions[action] = (
-                    (first + k, 0) if first + k <= last else (last, first + k - last)
-                )
-        tick += length
-    return positions
+    model = _Segments(schedule, costs, lanes)
+    if schedule.num_devices == 2:
+        if (model.sizes[0] + 1) * (model.sizes[1] + 1) > SEGMENT_STATES:
+            return None
+        frontiers = model.pairs()
+    else:
+        frontiers = model.best_first()
+    return None if frontiers is None else model.positions(frontiers)
 
 
 #: How far past the tick's longest main action ``choose_ticks`` tries letting packed actions run.
@@ -539,7 +709,7 @@ def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[
 
     Candidates are plain lockstep ticks (no packing), ``pack_ticks`` with each of
     ``PACKINGS`` and ``PACKING_SLACKS``, first keeping a tick's senders on distinct shifts,
-    then letting them share the exchange, and on two devices ``segment_ticks``; a candidate
+    then letting them share the exchange, and ``segment_ticks``; a candidate
     must be faster than the earlier ones to win, so plain ticks stay unless packing pays, and
     fewer lanes unless more pay. Without ``costs``: plain lockstep ticks.
     """
