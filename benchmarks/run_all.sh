@@ -13,6 +13,7 @@ run() {
   if ! "$PYTHON" "$@"; then failed+=("$*"); fi
 }
 run benchmarks/schedules.py
+run benchmarks/lockstep.py
 if [ -f benchmarks/graphpipe.py ]; then run benchmarks/graphpipe.py; fi
 run benchmarks/bw_split.py
 run benchmarks/slot_writes.py

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bw_split  # noqa: E402
 import gpu  # noqa: E402
+import lockstep  # noqa: E402
 import memory  # noqa: E402
 import multiprocess  # noqa: E402
 import slot_writes  # noqa: E402
@@ -28,6 +29,25 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
     assert m.flops_b + m.flops_w == m.flops_bw > 0
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
     assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
+
+
+def test_lockstep_rows_never_lose_to_packing_and_the_section_lists_them():
+    costs = {"unit": schedules.Costs(1.0, 1.0, 0.5, 0.1)}
+    results = lockstep.run(costs, device_counts=(4,), per_device=(1, 2), names=("1f1b", "zb-h1"))
+    rows = results["unit"]
+    assert [(r.name, r.num_microbatches) for r in rows] == [
+        ("1f1b", 4),
+        ("zb-h1", 4),
+        ("1f1b", 8),
+        ("zb-h1", 8),
+    ]
+    for r in rows:
+        # Ticks never beat the event-driven makespan; choose_ticks keeps the best candidate.
+        assert 1.0 - 1e-9 <= r.chosen <= r.packed <= r.plain
+        assert r.segmented == (r.chosen < r.packed * (1 - 1e-9))
+    assert any(r.segmented for r in rows)
+    text = lockstep.section(results, took=1.0)
+    assert text.count("\n| 4 |") == len(rows)
 
 
 def test_slot_writes_times_every_action_of_every_stage_both_ways():
