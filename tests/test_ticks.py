@@ -435,6 +435,11 @@ def test_waiting_only_at_exchanges_brings_two_stage_ticks_to_the_simulated_makes
 #: Stage costs of step_time's MLP on one core each (benchmarks/multiprocess.py): the first
 #: stage's B computes nothing (0.1 ms), its W the whole backward.
 ONE_CORE_COSTS = schedules.Costs((3.65, 2.34), (0.10, 2.31), (4.55, 2.92), 0.78)
+#: Step_time's MLP measured by benchmarks/multiprocess.py on an AMD EPYC (ms), with its fused
+#: backward: stage 1's B and W cost 10.19 against BW's 9.51.
+ONE_CORE_COSTS_BW = schedules.Costs(
+    (4.57, 4.96), (0.07, 4.41), (7.94, 5.78), 1.54, bw=(7.98, 9.51), comm_message=0.40
+)
 
 
 def test_fuse_backward_turns_a_stages_b_into_bw_in_place_and_drops_its_w():
@@ -476,6 +481,33 @@ def test_plan_ticks_fuses_an_empty_backward_only_when_the_ticks_get_no_longer():
     assert plan_ticks(schedule, ONE_CORE_COSTS, [])[0] is schedule  # no empty backward
     one_f_one_b = build("1f1b", 2, 4)
     assert plan_ticks(one_f_one_b, ONE_CORE_COSTS, [0])[0] is one_f_one_b  # nothing split
+
+
+#: Step_time's MLP measured on an Intel Xeon (ms): stage 1's B and W cost 5.08 against its
+#: fused backward's 3.59, more than deferring W saves on two devices.
+COSTLY_SPLIT = schedules.Costs((2.71, 2.88), (0.07, 2.63), (3.20, 2.45), bw=(3.13, 3.59))
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_plan_ticks_fuses_a_stage_whose_split_costs_more_than_it_saves(name):
+    for m in (4, 8):
+        schedule = build(name, 2, m)
+        planned, positions = plan_ticks(schedule, COSTLY_SPLIT, [0])
+        # Both stages run their backward whole: no W is left, and every B became a BW.
+        assert planned.actions == fuse_backward(schedule, [0, 1]).actions
+        assert positions == choose_ticks(planned, COSTLY_SPLIT)
+        seconds = barrier_time(planned, positions, COSTLY_SPLIT)
+        for kept in ([0], []):  # stage 1 split, with stage 0 fused or not
+            other = fuse_backward(schedule, kept)
+            assert seconds < barrier_time(other, choose_ticks(other, COSTLY_SPLIT), COSTLY_SPLIT)
+        # Without the fused backward's time (BW costing B + W) no stage with a B is fused.
+        plain = dataclasses.replace(COSTLY_SPLIT, bw=None)
+        assert ("W", 1) in {
+            (a.kind, a.stage) for a in plan_ticks(schedule, plain, [0])[0].actions[1]
+        }
+    # Where the split pays (the same MLP on an AMD EPYC, one core per device), it stays.
+    planned, _ = plan_ticks(build(name, 2, 4), ONE_CORE_COSTS_BW, [0])
+    assert ("W", 1) in {(a.kind, a.stage) for _, _, a in planned.all_actions()}
 
 
 @pytest.mark.parametrize("name", NAMES)

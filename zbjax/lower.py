@@ -393,9 +393,10 @@ def lower(
 
     With ``costs`` (per-stage F/B/W times, any unit), devices that finish a tick's action early
     also run the next actions that fit in the rest of the tick, or the ticks are laid out
-    around the fewest exchanges (``ticks.choose_ticks``), and a
-    stage whose B computes nothing runs its backward fused where that shortens the ticks
-    (``ticks.plan_ticks``); ``Lowering.schedule`` is the schedule that runs.
+    around the fewest exchanges (``ticks.choose_ticks``), and a stage whose B computes nothing,
+    or whose B and W cost more than its fused backward, runs its backward fused where that
+    shortens the ticks (``ticks.plan_ticks``); ``Lowering.schedule`` is the schedule that
+    runs.
     """
     programs = tuple(programs)
     missing = tuple(pair for pair in graph.edge_pairs if pair not in schedule.edges)
@@ -410,7 +411,8 @@ def lower(
         # adding it lets the tick tables route its messages.
         schedule = dataclasses.replace(schedule, edges=schedule.edges + missing)
     # A stage with no differentiable input (the first) has an empty B: its whole backward is
-    # W. Run it fused where B stood when the costs say the ticks get shorter.
+    # W. Run it fused where B stood when the costs say the ticks get shorter; so too any stage
+    # whose split costs more than deferring its W saves.
     empty_backward = [s.index for s in graph.stages if not any(s.input_differentiable)]
     schedule, positions = plan_ticks(schedule, costs, empty_backward)
     slot_dtypes = _union_dtypes(

@@ -831,8 +831,9 @@ def pipeline(
     edge of the stage graph crosses between devices, the ticks may instead be laid out
     around the fewest, best-placed exchanges (``ticks.segment_ticks``) where that
     predicts a shorter step; and a stage whose B computes nothing (no differentiable input,
-    like the first) runs its backward fused where B stood if that does (``pipe.schedule`` is
-    then the fused schedule).
+    like the first), or whose B and W cost more than its fused backward (``costs.bw``), runs
+    its backward fused where B stood if that does (``pipe.schedule`` is then the fused
+    schedule).
     None (default): pack when ``costs`` is given (times you measured, e.g. each stage's F, B
     and W jitted alone); True: pack by ``costs`` or, without them, by the stage programs'
     static estimates (FLOPs plus bytes moved; rough on small stages); False: one action per

@@ -755,24 +755,41 @@ def plan_ticks(
     schedule: Schedule, costs: Costs | None, empty_backward: Sequence[int] = ()
 ) -> tuple[Schedule, dict[Action, tuple[int, int]]]:
     """Returns the schedule to run and its ticks (``choose_ticks``): ``schedule``, or it with
-    the backward of the stages in ``empty_backward`` (those whose B computes nothing) fused
-    (``fuse_backward``) when that runs in no more ``barrier_time`` under ``costs`` (fused, such a
-    stage writes no stash for W and frees its residuals at once; always ``schedule`` without
-    ``costs``)."""
+    the backward of some stages fused (``fuse_backward``) where ``costs`` say the ticks get
+    shorter. Always ``schedule`` without ``costs``.
+
+    First the stages in ``empty_backward`` (those whose B computes nothing), fused when that
+    runs in no more ``barrier_time`` (fused, such a stage writes no stash for W and frees its
+    residuals at once). Then, one by one (the largest saving first), every other split stage
+    whose fused backward costs less than its B and W (``Costs.bw`` below ``b + w``: the fused
+    backward neither writes W's stash nor reads it back), fused when that makes the ticks
+    strictly shorter: where splitting costs more than deferring W saves, the stage runs its
+    backward whole, as 1f1b would. Costs without ``bw`` (``b + w``) fuse none of these."""
     positions = choose_ticks(schedule, costs)
-    split = [
-        s
-        for s in empty_backward
-        if any(a.kind == "W" and a.stage == s for _, _, a in schedule.all_actions())
-    ]
-    if costs is None or not split:
+    if costs is None:
         return schedule, positions
-    fused = fuse_backward(schedule, split)
-    fused_positions = choose_ticks(fused, costs)
-    before = barrier_time(schedule, positions, costs)
-    if barrier_time(fused, fused_positions, costs) <= before * (1.0 + 1e-9):
-        return fused, fused_positions
-    return schedule, positions
+    split = {a.stage for _, _, a in schedule.all_actions() if a.kind == "W"}
+    best = (barrier_time(schedule, positions, costs), schedule, positions)
+
+    def fused_if(stages: Sequence[int], strictly: bool) -> None:
+        nonlocal best
+        fused = fuse_backward(best[1], stages)
+        fused_positions = choose_ticks(fused, costs)
+        seconds = barrier_time(fused, fused_positions, costs)
+        if seconds < best[0] * (1.0 - 1e-9) or (not strictly and seconds <= best[0] * (1 + 1e-9)):
+            best = (seconds, fused, fused_positions)
+
+    empty = [s for s in empty_backward if s in split]
+    if empty:
+        fused_if(empty, strictly=False)
+    num_stages = schedule.num_stages
+    b, w = (costs.per_stage(num_stages)[i] for i in (1, 2))
+    bw = costs.fused_per_stage(num_stages)
+    saving = {s: b[s] + w[s] - bw[s] for s in split - set(empty)}
+    for stage in sorted(saving, key=lambda s: (-saving[s], s)):
+        if saving[stage] > 1e-9 * (b[stage] + w[stage]):
+            fused_if([stage], strictly=True)
+    return best[1], best[2]
 
 
 def outgoing_messages(
