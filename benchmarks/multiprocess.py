@@ -39,7 +39,10 @@ UNPACKED = ("1f1b, pack_ticks=False", "zb-h2, pack_ticks=False")
 #: overlay, ``zbjax.lower.OVERLAY_MIN_SAVING``, turned off): what the overlay's memory costs in
 #: time.
 STASH_SLOTS = "zb-h2, stash slots"
-VARIANTS = (*SCHEDULE_NAMES, *UNPACKED, STASH_SLOTS)
+#: zb-h2 given the costs without the fused backward's, so that no stage with a B to compute
+#: runs fused (``step_time.SPLIT``).
+SPLIT = "zb-h2, B and W split"
+VARIANTS = (*SCHEDULE_NAMES, *UNPACKED, STASH_SLOTS, SPLIT)
 NUM_PROCESSES = 2
 TIMEOUT_S = 900
 
@@ -125,13 +128,14 @@ def worker(
             overlay = zbjax.lower.OVERLAY_MIN_SAVING
             if name == STASH_SLOTS:
                 zbjax.lower.OVERLAY_MIN_SAVING = float("inf")  # never overlaid
+            given = step_time.split_costs(costs) if name == SPLIT else costs
             try:  # the slot layout is chosen when the step is built, here
                 variants[name] = step_time.pipeline_step(
-                    loss_fn, schedule, mesh, params, batch, costs=costs, pack_ticks=pack
+                    loss_fn, schedule, mesh, params, batch, costs=given, pack_ticks=pack
                 )
             finally:
                 zbjax.lower.OVERLAY_MIN_SAVING = overlay
-            prediction = step_time.predict(schedule, costs, pack=pack)
+            prediction = step_time.predict(schedule, costs, pack=pack, plan_costs=given)
             predicted[name] = prediction
         times = step_time.alternate(variants, rounds)
         result["m"][m] = {
@@ -144,6 +148,7 @@ def worker(
                 "ticks": predicted[name].ticks,
                 "exchanges": predicted[name].exchanges,
                 "comm_ms": 1e3 * predicted[name].comm,
+                "fused": list(predicted[name].fused),
             }
             for name in VARIANTS
         }
@@ -230,16 +235,22 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "(`pipeline(costs=...)`), and pack actions into a tick's spare time after a "
         "short one (W, and F, B or BW whose messages came at an earlier tick), or place the "
         "exchanges first (`zbjax.ticks.segment_ticks`), where they say it pays, each exchange "
-        "costing its ppermute (and run the first stage's backward fused, "
-        "its B having nothing to compute, where that shortens the ticks); "
+        "costing its ppermute (and run a stage's backward fused where that shortens the "
+        "ticks: the first stage's, its B having nothing to compute, and any other whose B and "
+        "W cost more than its fused BW by more than deferring W saves; *stages run fused* "
+        "lists them); "
         f"*{UNPACKED[0]}* and *{UNPACKED[1]}* run "
         f"one action per device per tick, as built; *{STASH_SLOTS}* keeps W's stash in stash "
         "slots of its own instead of writing it over the residuals only B read (the lowering's "
-        "overlay, taken where it holds at least 10 % fewer slot bytes).",
+        "overlay, taken where it holds at least 10 % fewer slot bytes); "
+        f"*{SPLIT}* gets the costs without the fused backward's (BW costing B + W), so the "
+        "planner keeps every stage with a B to compute split (predicted: ticks planned by "
+        "those costs, timed by the measured ones).",
         "",
         "| m | schedule | step (ms) | measured / 1f1b | rounds' middle half | predicted / 1f1b "
-        "| lockstep + comm / 1f1b | predicted step (ms, lockstep + comm) | ticks | exchanges |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| lockstep + comm / 1f1b | predicted step (ms, lockstep + comm) | ticks | exchanges "
+        "| stages run fused (BW) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in microbatches:
         rows = result["m"][str(m)]
@@ -254,7 +265,8 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
                 f"| {m} | {name} | {row['step_ms']:.1f} | {row['ratio']:.3f} | "
                 f"{row['quartiles'][0]:.3f}–{row['quartiles'][1]:.3f} | "
                 f"{row['makespan_ms'] / base['makespan_ms']:.3f} | {lock(row) / lock(base):.3f} | "
-                f"{lock(row):.1f} | {row['ticks']} | {row['exchanges']} |"
+                f"{lock(row):.1f} | {row['ticks']} | {row['exchanges']} | "
+                f"{', '.join(map(str, row['fused'])) or 'none'} |"
             )
     lines += ["", f"Machine load at the end: `{machine_load()}`. Took {took:.0f} s."]
     return "\n".join(lines)

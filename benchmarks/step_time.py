@@ -56,6 +56,16 @@ FRESH = f"{TARGET}, keep_buffers=False"
 #: Untimed rounds of every variant after the compiles (``alternate``).
 WARMUP_ROUNDS = 3
 UNPACKED = f"{TARGET}, pack_ticks=False"
+#: The target with every stage's B and W kept split: the pipeline gets the measured costs
+#: without the fused backward's (``Costs.bw`` left at B + W), so the planner fuses no stage
+#: whose B computes something, however much the split costs.
+SPLIT = f"{TARGET}, B and W split"
+
+
+def split_costs(costs: schedules.Costs) -> schedules.Costs:
+    """Returns ``costs`` without the fused backward's times (BW costs B + W): costs under
+    which the planner keeps every stage's backward split that has a B to compute."""
+    return dataclasses.replace(costs, bw=None)
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,7 @@ def lockstep_time(
     actions back to back and wait for each other at the ticks that exchange messages
     (``barrier_time``, without ``costs.comm``).
 
-    The ticks are the lowering's: with ``pack``, the first stage's backward fused and actions
+    The ticks are the lowering's: with ``pack``, stages' backward fused and actions
     packed into lanes after short ones where the costs say it pays (``plan_ticks``, as
     ``pipeline(costs=...)`` does), else one action per device per tick. ``slowdown``
     stretches the stretches between exchanges in which more than one device computes: the
@@ -227,9 +237,15 @@ def planned_ticks(
     schedule: schedules.Schedule, costs: schedules.Costs, pack: bool = True
 ) -> tuple[schedules.Schedule, dict]:
     """Returns the schedule and ticks the lowering runs (``lockstep_time``'s ``pack``)."""
-    # As the lowering plans it: the first stage (no differentiable input, so an empty B) may
-    # run fused, and actions may be packed into lanes or laid out around the exchanges.
+    # As the lowering plans it: the first stage (no differentiable input, so an empty B) and
+    # any stage whose split costs more than it saves may run fused, and actions may be packed
+    # into lanes or laid out around the exchanges.
     return plan_ticks(schedule, costs, [0]) if pack else (schedule, pack_ticks(schedule))
+
+
+def fused_stages(schedule: schedules.Schedule) -> tuple[int, ...]:
+    """Returns the stages whose backward ``schedule`` runs fused (BW)."""
+    return tuple(sorted({a.stage for _, _, a in schedule.all_actions() if a.kind == "BW"}))
 
 
 @dataclass(frozen=True)
@@ -245,6 +261,7 @@ class Prediction:
     exchanges: int  # ticks that end in a ppermute (the others skip it)
     comm: float  # those ppermutes' time by the costs (``Costs.exchange`` of each payload)
     work: float  # every action's cost summed: the step time if the devices time-share one core
+    fused: tuple[int, ...]  # the stages whose backward the planned schedule runs fused
 
 
 def predict(
@@ -252,25 +269,29 @@ def predict(
     costs: schedules.Costs,
     slowdown: float = 1.0,
     pack: bool = True,
+    plan_costs: schedules.Costs | None = None,
 ) -> Prediction:
-    """Returns the simulated makespan, both bubble views and the lockstep times of
-    ``schedule`` (``slowdown``: the parallelism check, for the contended lockstep time;
-    ``pack``: whether the lowering packs its ticks by the costs)."""
-    result = schedules.simulate(schedule, costs)
-    planned = planned_ticks(schedule, costs, pack)  # planned once, timed twice
+    """Returns the simulated makespan, both bubble views and the lockstep times of the
+    schedule the lowering runs for ``schedule`` (``slowdown``: the parallelism check, for the
+    contended lockstep time; ``pack``: whether the lowering packs its ticks by the costs;
+    ``plan_costs``: the costs the pipeline was given, by default ``costs``). Everything is
+    timed with ``costs``."""
+    planned = planned_ticks(schedule, plan_costs or costs, pack)  # planned once, timed twice
+    result = schedules.simulate(planned[0], costs)
     lockstep, ticks, exchanges = _lockstep(*planned, costs, 1.0)
     comm = sum(costs.exchange(n) for n in exchange_messages(*planned).values())
-    work = sum(costs.of(a, schedule.num_stages) for _, _, a in schedule.all_actions())
+    work = sum(costs.of(a, schedule.num_stages) for _, _, a in planned[0].all_actions())
     return Prediction(
         result.makespan,
         result.bubble_rate,
-        schedules.span_bubble_rate(schedule, result),
+        schedules.span_bubble_rate(planned[0], result),
         lockstep,
         _lockstep(*planned, costs, slowdown)[0],
         ticks,
         exchanges,
         comm,
         work,
+        fused_stages(planned[0]),
     )
 
 
@@ -480,6 +501,9 @@ def measure_m(
     variants[UNPACKED] = pipeline_step(
         loss_fn, schedule, mesh, params, batch, costs=costs, pack_ticks=False
     )
+    variants[SPLIT] = pipeline_step(
+        loss_fn, schedule, mesh, params, batch, costs=split_costs(costs)
+    )
     single = jax.devices()[0]
     params_one = jax.device_put(params, single)
     batch_one = jax.device_put(batch, single)
@@ -500,6 +524,8 @@ def measure_m(
             if name in built
             else predict(*built[TARGET][:2], slowdown, pack=False)
             if name == UNPACKED
+            else predict(*built[TARGET][:2], slowdown, plan_costs=split_costs(built[TARGET][1]))
+            if name == SPLIT
             else None,
         )
         for name in variants
@@ -536,13 +562,13 @@ def table(rows: Sequence[Row], reference: Prediction, overhead: TickOverhead) ->
         "predicted / 1f1b (span) | predicted / 1f1b (lockstep) | predicted / 1f1b (lockstep "
         "+ tick overhead) | predicted / 1f1b (lockstep, contended) | predicted step (ms, "
         "lockstep + overhead) | ticks | bubble (makespan) | implied overhead per tick (ms) | "
-        "same, devices time-sharing (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "same, devices time-sharing (ms) | stages run fused (BW) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         p = row.prediction
         if p is None:
-            cells = "– | – | – | – | – | – | – | – | – | –"
+            cells = "– | – | – | – | – | – | – | – | – | – | –"
         else:
             span = (1 - reference.span_bubble_rate) / (1 - p.span_bubble_rate)
             # Span view: equal work, so time per step goes as 1 / (1 - span bubble).
@@ -553,7 +579,8 @@ def table(rows: Sequence[Row], reference: Prediction, overhead: TickOverhead) ->
                 f"{p.contended / reference.contended:.3f} | "
                 f"{with_overhead(p) * 1e3:.1f} | {p.ticks} | {p.bubble_rate:.1%} | "
                 f"{(row.seconds - p.lockstep) / p.ticks * 1e3:.2f} | "
-                f"{(row.seconds - p.work) / p.ticks * 1e3:.2f}"
+                f"{(row.seconds - p.work) / p.ticks * 1e3:.2f} | "
+                f"{', '.join(map(str, p.fused)) or 'none'}"
             )
         low, high = row.quartiles
         lines.append(
@@ -561,6 +588,21 @@ def table(rows: Sequence[Row], reference: Prediction, overhead: TickOverhead) ->
             f"{low:.3f}–{high:.3f} | {cells} |"
         )
     return "\n".join(lines)
+
+
+def verdict(row: Row, ref: Prediction) -> str:
+    """Returns the target's text for ``row``: measured and predicted (makespan) ratios to 1f1b
+    (``ref``), how far apart, and which stages ran fused."""
+    predicted = row.prediction.makespan / ref.makespan
+    off = row.ratio / predicted - 1
+    fused = ", ".join(map(str, row.prediction.fused)) or "none"
+    return (
+        f"{row.name} (stages run fused: {fused}) measured {row.ratio:.3f} (rounds' middle half "
+        f"{row.quartiles[0]:.3f}–{row.quartiles[1]:.3f}) vs predicted {predicted:.3f} "
+        f"({off:+.1%}, {'within' if abs(off) <= TARGET_TOLERANCE else 'NOT within'} "
+        f"{TARGET_TOLERANCE:.0%}; contended lockstep predicts "
+        f"{row.prediction.contended / ref.contended:.3f})"
+    )
 
 
 def plot(all_rows: Sequence[Row], path: Path) -> Path:
@@ -632,20 +674,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         all_rows += rows
         ref = next(r for r in rows if r.name == "1f1b").prediction
         target = next(r for r in rows if r.name == TARGET)
-        predicted = target.prediction.makespan / ref.makespan
-        off = target.ratio / predicted - 1
-        contended = target.prediction.contended / ref.contended
+        split = next(r for r in rows if r.name == SPLIT)
         verdicts.append(
-            f"m = {m}: {TARGET} measured {target.ratio:.3f} (rounds' middle half "
-            f"{target.quartiles[0]:.3f}–{target.quartiles[1]:.3f}) vs predicted {predicted:.3f} "
-            f"({off:+.1%}, {'within' if abs(off) <= TARGET_TOLERANCE else 'NOT within'} "
-            f"{TARGET_TOLERANCE:.0%}; contended lockstep predicts {contended:.3f}"
+            f"m = {m}: "
+            + verdict(target, ref)
             + (
                 f"; zb-auto ran the very same actions and measured "
-                f"{next(r for r in rows if r.name == 'zb-auto').ratio:.3f})"
+                f"{next(r for r in rows if r.name == 'zb-auto').ratio:.3f}"
                 if auto_is_target
-                else ")"
+                else ""
             )
+            + "; "
+            + verdict(split, ref)
         )
         fused = costs.fused_per_stage(len(costs.f))
         cost_text = ", ".join(
@@ -697,9 +737,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lowering runs: the devices run their ticks' actions back to back and wait for "
             "each other only at the ticks that send a message (the others skip their "
             "`ppermute`; `zbjax.ticks.barrier_time`), actions packed after a short one (or the "
-            "exchanges placed first, `zbjax.ticks.segment_ticks`) and the "
-            "first stage's backward fused (its B has nothing to compute) where the costs say it "
-            "pays (the pipelines get the measured costs, `pipeline(costs=...)`); *lockstep + tick "
+            "exchanges placed first, `zbjax.ticks.segment_ticks`) and a stage's backward fused "
+            "where the costs say it pays: the first stage's (its B has nothing to compute), and "
+            "any other stage's whose B and W cost more than its fused BW by more than deferring "
+            "W saves (`zbjax.ticks.plan_ticks`; *stages run fused* lists every stage whose "
+            "backward ran as BW; the pipelines get the measured costs, `pipeline(costs=...)`); "
+            "*lockstep + tick "
             "overhead* adds the per-tick and fixed costs measured below; *lockstep, contended* "
             "stretches every run of ticks between exchanges in which both devices compute by the "
             "parallelism check's "
@@ -711,7 +754,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "when the parallelism check reads about 2.",
             f"*{FRESH}* is {TARGET} with its slot pools allocated in every step instead of "
             f"kept between calls (the CPU default); *{UNPACKED}* is {TARGET} as built, one "
-            "action per device per tick (nothing packed, no backward fused).",
+            "action per device per tick (nothing packed, no backward fused); "
+            f"*{SPLIT}* is {TARGET} given the measured costs without the fused backward's "
+            "(BW costing B + W), so the planner keeps every stage with a B to compute split "
+            "(its prediction: the ticks planned by those costs, timed by the measured ones).",
             f"Baselines in the same rounds: unpipelined = `jax.jit(jax.value_and_grad(loss))` "
             "on one device (XLA may use both cores for its larger matmuls); textbook = a GPipe "
             "loop (`lax.scan` over m + p − 1 ticks, `ppermute`) inside `shard_map`, "
@@ -737,7 +783,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
             *sections,
             f"Target: {TARGET}'s measured ratio to 1f1b within {TARGET_TOLERANCE:.0%} of the "
-            "predicted (makespan) ratio. " + "; ".join(verdicts) + ".",
+            f"predicted (makespan) ratio, as planned and with B and W kept split ({SPLIT}). "
+            + "; ".join(verdicts)
+            + ".",
             "",
             f"Figure: [step_time.png](figures/{figure.name}).",
             f"Machine load before: `{load_before}`; after: `{load_after}`.",
