@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,4 +77,50 @@ def run_pinned_copy(script: str, json_flag: str, *args: str) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         subprocess.run([sys.executable, script, *args, json_flag, str(out)], check=True)
+        return json.loads(out.read_text())
+
+
+def free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_workers(script: str, args: Sequence[str], num_workers: int, timeout_s: float) -> Any:
+    """Returns the JSON worker 0 writes after running ``num_workers`` copies of ``script`` with
+    ``args`` plus ``--worker ID --port PORT --out PATH`` (the copies join each other over
+    ``jax.distributed`` at PORT). Raises SystemExit with the reason when a copy fails or runs
+    past ``timeout_s`` (then every copy is killed)."""
+    if len(os.sched_getaffinity(0)) < num_workers:
+        raise SystemExit(f"needs {num_workers} cores to pin one process to each")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    script,
+                    *args,
+                    "--worker",
+                    str(worker),
+                    "--port",
+                    str(port),
+                    "--out",
+                    str(out),
+                ]  # fmt: skip
+            )
+            for worker in range(num_workers)
+        ]
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=timeout_s))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                raise SystemExit(f"a worker ran past {timeout_s} s; all were killed") from None
+        if any(codes):
+            raise SystemExit(f"workers exited with {codes}")
         return json.loads(out.read_text())

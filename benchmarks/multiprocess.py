@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -156,51 +153,14 @@ def worker(
         Path(out).write_text(json.dumps(result))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(rounds: int, microbatches: Sequence[int], smoke: bool = False) -> dict:
     """Returns process 0's results after running both processes of this script (``smoke``:
     ``step_time``'s toy MLP, to check that the script runs)."""
-    if len(os.sched_getaffinity(0)) < NUM_PROCESSES:
-        raise SystemExit(f"needs {NUM_PROCESSES} cores to pin one process to each")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    str(pid),
-                    "--port",
-                    str(port),
-                    "--rounds",
-                    str(rounds),
-                    "--microbatches",
-                    *map(str, microbatches),
-                    "--out",
-                    str(out),
-                    *(["--smoke"] if smoke else []),
-                ]
-            )
-            for pid in range(NUM_PROCESSES)
-        ]
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=TIMEOUT_S))
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.kill()
-                raise SystemExit(f"a worker ran past {TIMEOUT_S} s; both were killed") from None
-        if any(codes):
-            raise SystemExit(f"workers exited with {codes}")
-        return json.loads(out.read_text())
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _results import launch_workers
+
+    args = ["--rounds", str(rounds), "--microbatches", *map(str, microbatches)]
+    return launch_workers(__file__, args + (["--smoke"] if smoke else []), NUM_PROCESSES, TIMEOUT_S)
 
 
 def section(result: dict, rounds: int, microbatches: Sequence[int], took: float) -> str:

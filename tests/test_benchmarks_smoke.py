@@ -17,6 +17,7 @@ import gpu  # noqa: E402
 import lockstep  # noqa: E402
 import memory  # noqa: E402
 import multiprocess  # noqa: E402
+import overlap  # noqa: E402
 import slot_writes  # noqa: E402
 import step_time  # noqa: E402
 
@@ -121,6 +122,16 @@ def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_sectio
     text = multiprocess.section(result, 1, [2], 1.0)
     rows_of_m = [line for line in text.splitlines() if line.startswith("| 2 | ")]
     assert len(rows_of_m) == len(multiprocess.VARIANTS)
+
+
+def test_overlap_benchmark_times_every_variant_in_two_pinned_processes():
+    from _results import launch_workers
+
+    times = launch_workers(overlap.__file__, ["--rounds", "2", "--smoke"], 2, 300)
+    assert set(times) == set(overlap.VARIANTS)
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in times.values())
+    text = overlap.section(times, 2, 1.0)
+    assert all(f"| {name} |" in text for name in overlap.VARIANTS)
 
 
 def test_gpu_script_refuses_politely_without_a_gpu(capsys):

@@ -625,17 +625,23 @@ def test_segment_ticks_find_the_fastest_segments_and_tables_that_run_them(name):
         f, b, w = (tuple(x / chunks for _ in range(chunks) for x in v)
                    for v in two_stage.per_stage(2))  # fmt: skip
         costs = schedules.Costs(f, b, w, two_stage.comm, comm_message=two_stage.comm_message)
-        for lanes in (1, 3):
-            positions = segment_ticks(schedule, costs, lanes)
-            assert 1 + max(lane for _, lane in positions.values()) <= lanes
-            tables = tick_tables(schedule, positions=positions)
-            assert decode_actions(tables) == schedule.actions
-            replay(tables, schedule)
-            # Devices meet only at exchanges, each a segment's last tick: the ticks cost what
-            # the exhaustive search over segments says is least.
-            seconds = barrier_time(schedule, positions, costs)
-            assert seconds == pytest.approx(fewest_segment_seconds(schedule, costs, lanes))
-            assert seconds <= barrier_time(schedule, pack_ticks(schedule), costs) + 1e-9
+        check_fewest_segments(schedule, costs)
+
+
+def check_fewest_segments(schedule: Schedule, costs: schedules.Costs) -> None:
+    """Asserts that ``segment_ticks`` places ``schedule`` in tables that run it, and as fast as
+    the exhaustive search over segments says is least, with one lane and with three."""
+    for lanes in (1, 3):
+        positions = segment_ticks(schedule, costs, lanes)
+        assert 1 + max(lane for _, lane in positions.values()) <= lanes
+        tables = tick_tables(schedule, positions=positions)
+        assert decode_actions(tables) == schedule.actions
+        replay(tables, schedule)
+        # Devices meet only at exchanges, each a segment's last tick: the ticks cost what the
+        # exhaustive search over segments says is least.
+        seconds = barrier_time(schedule, positions, costs)
+        assert seconds == pytest.approx(fewest_segment_seconds(schedule, costs, lanes))
+        assert seconds <= barrier_time(schedule, pack_ticks(schedule), costs) + 1e-9
 
 
 def test_segment_ticks_beat_packing_where_exchanges_cost_and_choose_ticks_takes_them():
@@ -709,18 +715,9 @@ def test_segment_ticks_on_more_devices_find_the_fastest_segments(name, devices, 
     chunks = schedule.num_stages // devices
     f, b, w = (tuple(x / chunks for _ in range(chunks) for x in v[:devices])
                for v in FOUR_STAGE_COSTS.per_stage(4))  # fmt: skip
-    costs = schedules.Costs(f, b, w, FOUR_STAGE_COSTS.comm)
-    for lanes in (1, 3):
-        positions = segment_ticks(schedule, costs, lanes)
-        assert 1 + max(lane for _, lane in positions.values()) <= lanes
-        tables = tick_tables(schedule, positions=positions)
-        assert decode_actions(tables) == schedule.actions
-        replay(tables, schedule)
-        # Where an exchange costs the same whatever it carries, the search finds the least
-        # time of every way of cutting the programs into segments.
-        seconds = barrier_time(schedule, positions, costs)
-        assert seconds == pytest.approx(fewest_segment_seconds(schedule, costs, lanes))
-        assert seconds <= barrier_time(schedule, pack_ticks(schedule), costs) + 1e-9
+    # Where an exchange costs the same whatever it carries, the best-first search finds the
+    # least time of every way of cutting the programs into segments.
+    check_fewest_segments(schedule, schedules.Costs(f, b, w, FOUR_STAGE_COSTS.comm))
 
 
 def test_choose_ticks_takes_segments_on_four_devices_where_they_pay():
