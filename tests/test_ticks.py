@@ -510,6 +510,25 @@ def test_plan_ticks_fuses_a_stage_whose_split_costs_more_than_it_saves(name):
     assert ("W", 1) in {(a.kind, a.stage) for _, _, a in planned.all_actions()}
 
 
+def test_plan_ticks_tries_many_costly_stages_fused_all_at_once(monkeypatch):
+    # Eight stages whose B + W cost 1.9 against a fused 1.2: past FUSE_ONE_BY_ONE stages they
+    # are tried fused together (one more plan, not seven), kept where that is shorter.
+    costs = schedules.Costs(1.0, 1.0, 0.9, 0.05, bw=1.2)
+    schedule = build("zb-h2", 8, 16)
+    plans = []
+
+    def counted(schedule, costs):
+        plans.append(schedule)
+        return choose_ticks(schedule, costs)
+
+    monkeypatch.setattr(ticks_module, "choose_ticks", counted)
+    planned, positions = plan_ticks(schedule, costs, [0])
+    assert len(plans) == 3  # as built, the empty first stage fused, then the other seven too
+    assert planned.actions == fuse_backward(schedule, range(8)).actions
+    split = barrier_time(schedule, choose_ticks(schedule, costs), costs)
+    assert barrier_time(planned, positions, costs) < 0.95 * split
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_tick_exchanges_exactly_when_an_action_in_it_sends_to_another_device(name):
     schedule = build(name, 4, 8)

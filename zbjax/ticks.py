@@ -751,6 +751,10 @@ def fuse_backward(schedule: Schedule, stages: Sequence[int]) -> Schedule:
     )
 
 
+#: The most stages ``plan_ticks`` tries fusing one by one (more are tried all at once).
+FUSE_ONE_BY_ONE = 4
+
+
 def plan_ticks(
     schedule: Schedule, costs: Costs | None, empty_backward: Sequence[int] = ()
 ) -> tuple[Schedule, dict[Action, tuple[int, int]]]:
@@ -764,7 +768,9 @@ def plan_ticks(
     whose fused backward costs less than its B and W (``Costs.bw`` below ``b + w``: the fused
     backward neither writes W's stash nor reads it back), fused when that makes the ticks
     strictly shorter: where splitting costs more than deferring W saves, the stage runs its
-    backward whole, as 1f1b would. Costs without ``bw`` (``b + w``) fuse none of these."""
+    backward whole, as 1f1b would. Past ``FUSE_ONE_BY_ONE`` such stages, they are tried all at
+    once instead (each try plans the ticks anew, up to a second on 8 devices). Costs without
+    ``bw`` (``b + w``) fuse none of these."""
     positions = choose_ticks(schedule, costs)
     if costs is None:
         return schedule, positions
@@ -786,8 +792,13 @@ def plan_ticks(
     b, w = (costs.per_stage(num_stages)[i] for i in (1, 2))
     bw = costs.fused_per_stage(num_stages)
     saving = {s: b[s] + w[s] - bw[s] for s in split - set(empty)}
-    for stage in sorted(saving, key=lambda s: (-saving[s], s)):
-        if saving[stage] > 1e-9 * (b[stage] + w[stage]):
+    costly = [
+        s for s in sorted(saving, key=lambda s: (-saving[s], s)) if saving[s] > 1e-9 * (b[s] + w[s])
+    ]
+    if len(costly) > FUSE_ONE_BY_ONE:
+        fused_if(costly, strictly=True)  # all at once: each try plans the ticks anew
+    else:
+        for stage in costly:
             fused_if([stage], strictly=True)
     return best[1], best[2]
 
