@@ -87,6 +87,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def add_worker_flags(parser: Any) -> None:
+    """Adds the hidden flags ``launch_workers`` passes to each copy (``--worker``, ``--port``,
+    ``--out``) and ``--smoke`` (toy sizes, to check that the script runs) to an argparse
+    parser."""
+    import argparse
+
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+
+
 def launch_workers(script: str, args: Sequence[str], num_workers: int, timeout_s: float) -> Any:
     """Returns the JSON worker 0 writes after running ``num_workers`` copies of ``script`` with
     ``args`` plus ``--worker ID --port PORT --out PATH`` (the copies join each other over

@@ -145,15 +145,14 @@ def section(times: dict[str, list[float]], rounds: int, took: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _results import add_worker_flags
+
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.worker is not None:
         worker(args.worker, args.port, args.rounds, args.out, args.smoke)
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _results import launch_workers, write_section
 
     began = time.perf_counter()
