@@ -50,15 +50,9 @@ class Row:
 
 
 def best_packing(schedule: schedules.Schedule, costs: schedules.Costs) -> float:
-    """Returns the least ``barrier_time`` of plain ticks and every packing ``choose_ticks``
-    tries (its candidates but ``segment_ticks``)."""
-    best = ticks.barrier_time(schedule, ticks.pack_ticks(schedule), costs)
-    for share in (False, True):
-        for kinds, lanes in ticks.PACKINGS:
-            for slack in ticks.PACKING_SLACKS:
-                positions = ticks.pack_ticks(schedule, costs, slack, lanes, kinds, share)
-                best = min(best, ticks.barrier_time(schedule, positions, costs))
-    return best
+    """Returns the least ``barrier_time`` of ``choose_ticks``'s packings of fixed ticks (its
+    candidates but ``segment_ticks``)."""
+    return min(ticks.barrier_time(schedule, p, costs) for p in ticks.packings(schedule, costs))
 
 
 def measure(name: str, p: int, m: int, costs: schedules.Costs) -> Row:

@@ -289,14 +289,10 @@ def test_segmented_ticks_on_four_devices_still_equal_value_and_grad(name, micro)
     expected = ticks.tick_tables(low.schedule, positions=segmented)
     np.testing.assert_array_equal(low.tables.kind, expected.kind)
     # ... where they beat every packing of the fixed ticks.
-    packed = ticks.barrier_time(low.schedule, ticks.pack_ticks(low.schedule), SEGMENT_COSTS)
-    for slack in ticks.PACKING_SLACKS:
-        for kinds, lanes in ticks.PACKINGS:
-            for share in (False, True):
-                positions = ticks.pack_ticks(
-                    low.schedule, SEGMENT_COSTS, slack, lanes, kinds, share
-                )
-                packed = min(packed, ticks.barrier_time(low.schedule, positions, SEGMENT_COSTS))
+    packed = min(
+        ticks.barrier_time(low.schedule, positions, SEGMENT_COSTS)
+        for positions in ticks.packings(low.schedule, SEGMENT_COSTS)
+    )
     assert ticks.barrier_time(low.schedule, segmented, SEGMENT_COSTS) < packed * (1 - 1e-9)
     assert_matches(result, loss_fn, params, batch)
 

@@ -746,11 +746,7 @@ def test_choose_ticks_takes_segments_on_four_devices_where_they_pay():
     costs = schedules.Costs(18522, 18086, 9337, 601)
     schedule = build("zb-h1", 4, 8)
     makespan = schedules.simulate(schedule, costs).makespan
-    packed = min(
-        barrier_time(schedule, pack_ticks(schedule, costs, slack, lanes, kinds), costs)
-        for slack in ticks_module.PACKING_SLACKS
-        for kinds, lanes in ticks_module.PACKINGS
-    )
+    packed = min(barrier_time(schedule, p, costs) for p in ticks_module.packings(schedule, costs))
     chosen = choose_ticks(schedule, costs)
     assert chosen == segment_ticks(schedule, costs)
     assert barrier_time(schedule, chosen, costs) < 1.04 * makespan < 0.95 * packed

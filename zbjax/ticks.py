@@ -35,7 +35,7 @@ nothing. The message pool allocates that spare: every tick stores whatever arriv
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -704,27 +704,30 @@ PACKING_SLACKS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0, 1.5, 2.0, 3.0)
 PACKINGS = ((WEIGHT_ONLY, 1), (ANY_KIND, 1), (ANY_KIND, 2))
 
 
+def packings(schedule: Schedule, costs: Costs) -> Iterator[dict[Action, tuple[int, int]]]:
+    """Yields the packings of fixed ticks ``choose_ticks`` tries, in its order: plain lockstep
+    ticks, then ``pack_ticks`` with each of ``PACKINGS`` and ``PACKING_SLACKS``, first keeping
+    a tick's senders on distinct shifts, then letting them share the exchange."""
+    yield pack_ticks(schedule)
+    for share in (False, True):
+        for kinds, lanes in PACKINGS:
+            if share and kinds == WEIGHT_ONLY:
+                continue  # W sends nothing: the same packing
+            for slack in PACKING_SLACKS:
+                yield pack_ticks(schedule, costs, slack, lanes, kinds, share)
+
+
 def choose_ticks(schedule: Schedule, costs: Costs | None) -> dict[Action, tuple[int, int]]:
     """Returns the packing of ``schedule`` with the least ``barrier_time`` under ``costs``.
 
-    Candidates are plain lockstep ticks (no packing), ``pack_ticks`` with each of
-    ``PACKINGS`` and ``PACKING_SLACKS``, first keeping a tick's senders on distinct shifts,
-    then letting them share the exchange, and ``segment_ticks``; a candidate
-    must be faster than the earlier ones to win, so plain ticks stay unless packing pays, and
-    fewer lanes unless more pay. Without ``costs``: plain lockstep ticks.
+    Candidates are the ``packings`` of fixed ticks, then ``segment_ticks``; a candidate must
+    be faster than the earlier ones to win, so plain ticks stay unless packing pays, and fewer
+    lanes unless more pay. Without ``costs``: plain lockstep ticks.
     """
-    best = pack_ticks(schedule)
     if costs is None:
-        return best
-    best_time = barrier_time(schedule, best, costs)
-    candidates = (
-        pack_ticks(schedule, costs, slack, lanes, kinds, share)
-        for share in (False, True)
-        for kinds, lanes in PACKINGS
-        for slack in PACKING_SLACKS
-        if not (share and kinds == WEIGHT_ONLY)  # W sends nothing: the same packing
-    )
-    for candidate in (*candidates, segment_ticks(schedule, costs)):
+        return pack_ticks(schedule)
+    best, best_time = None, float("inf")
+    for candidate in (*packings(schedule, costs), segment_ticks(schedule, costs)):
         if candidate is None:
             continue
         seconds = barrier_time(schedule, candidate, costs)
