@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zbjax.errors import ScheduleError
+from zbjax.schedules.dag import topological
 from zbjax.schedules.ir import Action, Costs, Schedule
 from zbjax.schedules.simulate import backward_kinds, dependencies
 
@@ -523,16 +524,21 @@ class _Segments:
                     users[dep].append(action)
         comm = self.costs.exchange(1)
         left = [[0.0] * (n + 1) for n in self.sizes]
-        # Reverse topological order: a device's actions in reverse, an action after those that
-        # need it (every such user is later in the dependency order).
-        order = _dependency_order(self.schedule, self.deps)
-        for action in reversed(order):
+        # Every action after the device's earlier actions and what it needs from other stages;
+        # then walked backwards, each action after its device's next and its users.
+        actions = list(self.index)
+        number = {a: n for n, a in enumerate(actions)}
+        after: list[list[int]] = [[number[u] for u in users[a]] for a in actions]
+        for program in self.schedule.actions:
+            for a, b in zip(program, program[1:], strict=False):
+                after[number[a]].append(number[b])
+        for action in (actions[n] for n in reversed(topological(after))):
             d, i = self.index[action]
-            after = left[d][i + 1]
+            rest = left[d][i + 1]
             for user in users[action]:
                 u, j = self.index[user]
-                after = max(after, comm + left[u][j])
-            left[d][i] = self.seconds[d][i] + after
+                rest = max(rest, comm + left[u][j])
+            left[d][i] = self.seconds[d][i] + rest
         return left
 
     def best_first(self) -> list[tuple[int, ...]] | None:
@@ -633,32 +639,6 @@ def _frontiers(
     while best[frontiers[-1]][1] is not None:
         frontiers.append(best[frontiers[-1]][1])
     return frontiers[::-1]
-
-
-def _dependency_order(schedule: Schedule, deps: dict[Action, tuple[Action, ...]]) -> list[Action]:
-    """Returns the schedule's actions in an order where each comes after its dependencies and
-    after the device's earlier actions."""
-    previous = {}
-    for program in schedule.actions:
-        for a, b in zip(program, program[1:], strict=False):
-            previous[b] = a
-    waiting = {
-        a: set(needs) | ({previous[a]} if a in previous else set()) for a, needs in deps.items()
-    }
-    users: dict[Action, list[Action]] = {a: [] for a in deps}
-    for a, needs in waiting.items():
-        for dep in needs:
-            users[dep].append(a)
-    ready = [a for a, needs in waiting.items() if not needs]
-    order = []
-    while ready:
-        action = ready.pop()
-        order.append(action)
-        for user in users[action]:
-            waiting[user].discard(action)
-            if not waiting[user]:
-                ready.append(user)
-    return order
 
 
 def segment_ticks(

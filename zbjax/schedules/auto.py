@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from zbjax.errors import ScheduleError
+from zbjax.schedules.dag import topological
 from zbjax.schedules.ir import Action, Costs, Schedule, chain_edges
 
 _F, _B, _W = 0, 1, 2
@@ -416,33 +417,15 @@ def _stage_graph(
             )
     predecessors = tuple(tuple(a for a, b in edges if b == s) for s in range(num_stages))
     successors = tuple(tuple(b for a, b in edges if a == s) for s in range(num_stages))
-    if len(_topological(successors)) != num_stages:
+    if len(topological(successors)) != num_stages:
         raise ScheduleError(f"edges {edges} contain a cycle; the stage graph must be a DAG")
     return edges, predecessors, successors
-
-
-def _topological(successors: Sequence[Sequence[int]]) -> list[int]:
-    """Returns the stages in an order where every edge goes forward (fewer on a cycle)."""
-    indegree = [0] * len(successors)
-    for targets in successors:
-        for q in targets:
-            indegree[q] += 1
-    frontier = [s for s in range(len(successors)) if not indegree[s]]
-    order = []
-    while frontier:
-        stage = frontier.pop()
-        order.append(stage)
-        for q in successors[stage]:
-            indegree[q] -= 1
-            if not indegree[q]:
-                frontier.append(q)
-    return order
 
 
 def _depth_to_sink(successors: Sequence[Sequence[int]]) -> list[int]:
     """Returns, per stage, the number of stages on the longest path from it to a sink."""
     depth = [1] * len(successors)
-    for stage in reversed(_topological(successors)):
+    for stage in reversed(topological(successors)):
         depth[stage] += max((depth[q] for q in successors[stage]), default=0)
     return depth
 
@@ -450,7 +433,7 @@ def _depth_to_sink(successors: Sequence[Sequence[int]]) -> list[int]:
 def _earliest_forward(problem: _Problem) -> list[float]:
     """Returns, per stage, the earliest time any of its forwards can start."""
     ready = [0.0] * problem.num_stages
-    for stage in _topological(problem.successors):
+    for stage in topological(problem.successors):
         for q in problem.successors[stage]:
             ready[q] = max(ready[q], ready[stage] + problem.f[stage] + problem.comm)
     return ready
@@ -460,7 +443,7 @@ def _round_trip(problem: _Problem) -> list[float]:
     """Returns, per stage, the least time from the start of F(s, i) until B(s, i) can start:
     F of every stage below s, then B back up (any microbatch i)."""
     trip = list(problem.f)
-    for stage in reversed(_topological(problem.successors)):
+    for stage in reversed(topological(problem.successors)):
         for q in problem.successors[stage]:
             via = problem.f[stage] + problem.comm + trip[q] + problem.b[q] + problem.comm
             trip[stage] = max(trip[stage], via)
@@ -490,7 +473,7 @@ def _bound(problem: _Problem, objective: str) -> tuple[float, float]:
     # From a stage's first F to the end of its last B: all its own F and B, or a successor's
     # (whose first F comes f + comm later) and the last B coming back; one W follows.
     last_backward = [m * (problem.f[s] + problem.b[s]) for s in range(problem.num_stages)]
-    for s in reversed(_topological(problem.successors)):
+    for s in reversed(topological(problem.successors)):
         for q in problem.successors[s]:
             via = problem.f[s] + 2 * problem.comm + last_backward[q] + problem.b[s]
             last_backward[s] = max(last_backward[s], via)

@@ -72,6 +72,25 @@ def check_stage_dag(
     return edges, placement
 
 
+def topological(successors: Sequence[Sequence[int]]) -> list[int]:
+    """Returns the nodes ``0..len(successors) - 1`` in an order where every edge (node to each
+    of its ``successors``) goes forward; fewer on a cycle. Linear in nodes and edges."""
+    indegree = [0] * len(successors)
+    for targets in successors:
+        for q in targets:
+            indegree[q] += 1
+    frontier = [s for s in range(len(successors)) if not indegree[s]]
+    order = []
+    while frontier:
+        node = frontier.pop()
+        order.append(node)
+        for q in successors[node]:
+            indegree[q] -= 1
+            if not indegree[q]:
+                frontier.append(q)
+    return order
+
+
 def topological_order(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
     """Returns the stages in an order where every edge goes forward (fewer on a cycle)."""
     indegree = [0] * num_stages
