@@ -166,6 +166,7 @@ def launch(rounds: int, microbatches: Sequence[int], smoke: bool = False) -> dic
 def section(result: dict, rounds: int, microbatches: Sequence[int], took: float) -> str:
     """Returns the markdown of the "multiprocess" section."""
     from bw_split import machine_load
+    from step_time import stages_text
 
     f, b, w, bw = result["costs_ms"]
     lines = [
@@ -226,7 +227,7 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
                 f"{row['quartiles'][0]:.3f}–{row['quartiles'][1]:.3f} | "
                 f"{row['makespan_ms'] / base['makespan_ms']:.3f} | {lock(row) / lock(base):.3f} | "
                 f"{lock(row):.1f} | {row['ticks']} | {row['exchanges']} | "
-                f"{', '.join(map(str, row['fused'])) or 'none'} |"
+                f"{stages_text(row['fused'])} |"
             )
     lines += ["", f"Machine load at the end: `{machine_load()}`. Took {took:.0f} s."]
     return "\n".join(lines)

@@ -248,6 +248,11 @@ def fused_stages(schedule: schedules.Schedule) -> tuple[int, ...]:
     return tuple(sorted({a.stage for _, _, a in schedule.all_actions() if a.kind == "BW"}))
 
 
+def stages_text(stages: Sequence[int]) -> str:
+    """Returns ``stages`` as a table cell: "0, 1", or "none"."""
+    return ", ".join(map(str, stages)) or "none"
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the simulator says of one schedule: makespan, span bubble, lockstep time, ticks."""
@@ -580,7 +585,7 @@ def table(rows: Sequence[Row], reference: Prediction, overhead: TickOverhead) ->
                 f"{with_overhead(p) * 1e3:.1f} | {p.ticks} | {p.bubble_rate:.1%} | "
                 f"{(row.seconds - p.lockstep) / p.ticks * 1e3:.2f} | "
                 f"{(row.seconds - p.work) / p.ticks * 1e3:.2f} | "
-                f"{', '.join(map(str, p.fused)) or 'none'}"
+                f"{stages_text(p.fused)}"
             )
         low, high = row.quartiles
         lines.append(
@@ -595,9 +600,9 @@ def verdict(row: Row, ref: Prediction) -> str:
     (``ref``), how far apart, and which stages ran fused."""
     predicted = row.prediction.makespan / ref.makespan
     off = row.ratio / predicted - 1
-    fused = ", ".join(map(str, row.prediction.fused)) or "none"
     return (
-        f"{row.name} (stages run fused: {fused}) measured {row.ratio:.3f} (rounds' middle half "
+        f"{row.name} (stages run fused: {stages_text(row.prediction.fused)}) measured "
+        f"{row.ratio:.3f} (rounds' middle half "
         f"{row.quartiles[0]:.3f}–{row.quartiles[1]:.3f}) vs predicted {predicted:.3f} "
         f"({off:+.1%}, {'within' if abs(off) <= TARGET_TOLERANCE else 'NOT within'} "
         f"{TARGET_TOLERANCE:.0%}; contended lockstep predicts "
