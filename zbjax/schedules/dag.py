@@ -26,6 +26,7 @@ stage s; a device may hold several stages.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -74,40 +75,31 @@ def check_stage_dag(
 
 def topological(successors: Sequence[Sequence[int]]) -> list[int]:
     """Returns the nodes ``0..len(successors) - 1`` in an order where every edge (node to each
-    of its ``successors``) goes forward; fewer on a cycle. Linear in nodes and edges."""
+    of its ``successors``) goes forward, the smallest ready node first; fewer on a cycle."""
     indegree = [0] * len(successors)
     for targets in successors:
         for q in targets:
             indegree[q] += 1
-    frontier = [s for s in range(len(successors)) if not indegree[s]]
+    ready = [s for s in range(len(successors)) if not indegree[s]]
+    heapq.heapify(ready)
     order = []
-    while frontier:
-        node = frontier.pop()
+    while ready:
+        node = heapq.heappop(ready)
         order.append(node)
         for q in successors[node]:
             indegree[q] -= 1
             if not indegree[q]:
-                frontier.append(q)
+                heapq.heappush(ready, q)
     return order
 
 
 def topological_order(num_stages: int, edges: Sequence[tuple[int, int]]) -> list[int]:
-    """Returns the stages in an order where every edge goes forward (fewer on a cycle)."""
-    indegree = [0] * num_stages
-    for _, b in edges:
-        indegree[b] += 1
-    successors = _graph(num_stages, edges)[1]
-    frontier = sorted((s for s in range(num_stages) if not indegree[s]), reverse=True)
-    order = []
-    while frontier:
-        stage = frontier.pop()
-        order.append(stage)
-        for q in successors[stage]:
-            indegree[q] -= 1
-            if not indegree[q]:
-                frontier.append(q)
-        frontier.sort(reverse=True)
-    return order
+    """Returns the stages in an order where every edge goes forward, the smallest ready stage
+    first (fewer on a cycle)."""
+    successors: list[list[int]] = [[] for _ in range(num_stages)]
+    for a, b in edges:
+        successors[a].append(b)
+    return topological(successors)
 
 
 def depth_to_sink(num_stages: int, edges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
