@@ -23,6 +23,11 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
+try:  # jax >= 0.11 describes a scan's operands and results as flat trees, not counts
+    from jax._src import flattree as _flattree
+except ImportError:  # jax 0.10
+    _flattree = None
+
 # ----------------------------------------------------------------------------------------------
 # Section: jaxpr building, DCE and call inlining (owner: split / markers / cost model engineer)
 # ----------------------------------------------------------------------------------------------
@@ -67,6 +72,37 @@ def make_closed_jaxpr(
     debug_info = DebugInfo("zbjax", name, (name,) * len(invars), (name,) * len(outvars))
     jaxpr = Jaxpr(list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info)
     return ClosedJaxpr(jaxpr, list(consts))
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """Returns (number of consts, number of carries) of a ``scan`` equation's params.
+
+    jax 0.10 stores them as ``num_consts`` and ``num_carry``; jax 0.11 as the flat trees
+    ``ft_in`` (consts, carries, scanned-over inputs) and ``ft_out`` (carries, stacked outputs).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
+
+
+def scan_params(params: dict, jaxpr: ClosedJaxpr, num_consts: int, num_carry: int) -> dict:
+    """Returns the params of a ``scan`` like ``params`` whose body is ``jaxpr`` taking
+    ``num_consts`` consts and ``num_carry`` carries (the rest of its inputs scanned over, the
+    rest of its outputs stacked), whichever way this JAX release describes them."""
+    num_in, num_out = len(jaxpr.in_avals), len(jaxpr.out_avals)
+    new = dict(params, jaxpr=jaxpr)
+    if "ft_in" in params:
+        nones = _flattree.nones
+        new["ft_in"] = _flattree.pack(
+            (nones(num_consts), nones(num_carry), nones(num_in - num_consts - num_carry))
+        )
+        new["ft_out"] = _flattree.pack((nones(num_carry), nones(num_out - num_carry)))
+        return new
+    new.update(num_consts=num_consts, num_carry=num_carry)
+    if "linear" in new:
+        new["linear"] = (False,) * num_in
+    return new
 
 
 def replace_equation(eqn: Any, invars: Sequence[Any], outvars: Sequence[Var], params: dict) -> Any:
@@ -125,7 +161,7 @@ def vmap_independent_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
     def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
         params = eqn.params
         if _independent_scan(eqn):
-            batched = _batched_body(params["jaxpr"], params["num_consts"], eqn.invars)
+            batched = _batched_body(params["jaxpr"], scan_counts(params)[0], eqn.invars)
             if batched is not None:
                 return jaxpr_as_fun(batched)(*invals)
         outs = _bind_like(eqn, invals)
@@ -139,7 +175,7 @@ def vmap_independent_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
 
 def _independent_scan(eqn: Any) -> bool:
     params = eqn.params
-    return eqn.primitive.name == "scan" and params["num_carry"] == 0 and params["length"] > 0
+    return eqn.primitive.name == "scan" and scan_counts(params)[1] == 0 and params["length"] > 0
 
 
 def _batched_body(body: ClosedJaxpr, num_consts: int, invars: Sequence[Any]) -> Any:
@@ -317,7 +353,7 @@ def _cast_varying(values: Sequence[Any], axes: frozenset) -> list[Any]:
 
 
 def _retrace_scan(params: dict, invals: list) -> list:
-    nc, nk = params["num_consts"], params["num_carry"]
+    nc, nk = scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
     init = _cast_varying(init, _varying_axes(invals))
     body = params["jaxpr"]
@@ -380,3 +416,87 @@ def uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     if empty is None:
         return jax.numpy.zeros(shape, dtype)
     return empty(shape, dtype)
+
+
+def set_rows(x: jax.Array, start: int, value: jax.Array) -> jax.Array:
+    """Returns ``x`` with rows ``start : start + len(value)`` (axis 0) replaced by ``value``.
+
+    Same as ``x.at[start : start + n].set(value)``, but never a scatter: a static slice that
+    covers all of ``x`` lowers to a scatter with zero-size indices, and jax 0.11's Shardy
+    partitioner crashes the process compiling one inside ``shard_map``. This is an in-place
+    ``dynamic_update_slice`` (or just ``value`` when it covers ``x``).
+    """
+    value = value.astype(x.dtype)
+    if start == 0 and value.shape == x.shape:
+        return value
+    return jax.lax.dynamic_update_slice_in_dim(x, value, start, 0)
+
+
+def add_rows(x: jax.Array, start: int, value: jax.Array) -> jax.Array:
+    """Returns ``x`` with ``value`` added to rows ``start : start + len(value)`` (axis 0):
+    ``x.at[start : start + n].add(value)`` without a scatter (see ``set_rows``)."""
+    value = value.astype(x.dtype)
+    if start == 0 and value.shape == x.shape:
+        return x + value
+    rows = jax.lax.slice_in_dim(x, start, start + value.shape[0], axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(x, rows + value, start, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Section: shard_map (owner: lowering engineer)
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _local_shape(shape: tuple[int, ...], spec: Any, mesh: Any) -> tuple[int, ...]:
+    """Returns the per-device shape of a global ``shape`` split by ``spec`` over ``mesh``."""
+    local = list(shape)
+    for d, entry in enumerate(tuple(spec or ())):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for name in names:
+            local[d] //= mesh.shape[name]
+    return tuple(local)
+
+
+def shard_map(fn: Callable, *, mesh: Any, in_specs: Any, **kwargs: Any) -> Callable:
+    """``jax.shard_map``, except that zero-size inputs do not cross into the manual region.
+
+    jax 0.11's Shardy partitioner crashes the process (a segfault while compiling, on XLA:CPU)
+    when a zero-size array is an operand of a ``shard_map``. A zero-size array holds no data, so
+    each one is dropped from the operands and made afresh (zeros of its per-device shape) inside
+    the body instead. ``in_specs`` may be a prefix of the arguments, as for ``jax.shard_map``.
+    """
+
+    def call(*args: Any) -> Any:
+        # One spec for every argument, or one per argument (each a prefix of it).
+        per_arg = (in_specs,) * len(args) if _is_spec(in_specs) else tuple(in_specs)
+        specs = jax.tree.map(
+            lambda spec, sub: jax.tree.map(lambda _: spec, sub), per_arg, args, is_leaf=_is_spec
+        )
+        leaves, treedef = jax.tree.flatten(args)
+        spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+        empty = {
+            i: (_local_shape(x.shape, s, mesh), x.dtype)
+            for i, (x, s) in enumerate(zip(leaves, spec_leaves, strict=True))
+            if x.size == 0
+        }
+        if not empty:
+            return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, **kwargs)(*args)
+        kept = [i for i in range(len(leaves)) if i not in empty]
+
+        def body(*kept_leaves: Any) -> Any:
+            full = [None] * len(leaves)
+            for i, x in zip(kept, kept_leaves, strict=True):
+                full[i] = x
+            for i, (shape, dtype) in empty.items():
+                full[i] = jax.numpy.zeros(shape, dtype)
+            return fn(*jax.tree.unflatten(treedef, full))
+
+        kept_specs = tuple(spec_leaves[i] for i in kept)
+        inner = jax.shard_map(body, mesh=mesh, in_specs=kept_specs, **kwargs)
+        return inner(*(leaves[i] for i in kept))
+
+    return call

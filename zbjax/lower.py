@@ -44,7 +44,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax._jax_compat import uninitialized
+from zbjax._jax_compat import add_rows, set_rows, shard_map, uninitialized
 from zbjax.errors import ScheduleError
 from zbjax.params import (
     StagedLayout,
@@ -629,7 +629,7 @@ def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
     never = code < 0
     sends = [
         [
-            p.at[:1].set(jnp.where(never, dep.astype(p.dtype), p[:1])) if p.size else p
+            set_rows(p, 0, jnp.where(never, dep.astype(p.dtype), p[:1])) if p.size else p
             for p in payloads
         ]
         for payloads in state.sends
@@ -841,8 +841,7 @@ def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_ct
     for k, parts in enumerate(pieces):
         if parts:
             vector = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-            end = start[k] + vector.shape[0]
-            grads[k] = grads[k].at[start[k] : end].add(vector)
+            grads[k] = add_rows(grads[k], start[k], vector)
 
 
 def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
@@ -1053,7 +1052,7 @@ def _run(
         tuple(PartitionSpec(None, axis) for _ in xs),
         [low.pool_spec] * len(pools or ()),
     )
-    run = jax.shard_map(
+    run = shard_map(
         device_program,
         mesh=mesh,
         in_specs=in_specs,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zbjax._jax_compat import add_rows, set_rows
 from zbjax.stages import leading_rows
 
 
@@ -292,7 +293,7 @@ def _sum_copies(aval: jax.ShapeDtypeStruct, pieces: Sequence[tuple[LeafSlot, jax
         if slot.rows is None:
             total = total + value
         else:
-            total = total.at[slot.rows[0] : slot.rows[1]].add(value)
+            total = add_rows(total, slot.rows[0], value)
     return total
 
 
@@ -354,7 +355,7 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
                 for _, slot in (c for c in copies if c[0] == device):
                     k = layout.dtype_index(slot.dtype)
                     value = jnp.ravel(leading_rows(total, slot.rows)).astype(slot.dtype)
-                    rows[k] = rows[k].at[slot.offset : slot.offset + slot.size].set(value)
+                    rows[k] = set_rows(rows[k], slot.offset, value)
             return rows
 
         return branch

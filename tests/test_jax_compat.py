@@ -1,0 +1,118 @@
+"""The release shims in zbjax._jax_compat: shard_map without zero-size operands, row updates
+without scatters, and scan params on jax 0.10 (counts) and 0.11 (flat trees).
+
+Each of these crashed or broke on jax 0.11.2 before its shim: a zero-size shard_map operand and
+a whole-array ``.at[a:b]`` update inside shard_map both segfault Shardy's partitioner while
+compiling, and a scan's params lost ``num_consts`` / ``num_carry``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from zbjax._jax_compat import add_rows, scan_counts, scan_params, set_rows, shard_map
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def mesh2():
+    return jax.make_mesh((2,), ("pp",), axis_types=(AUTO,), devices=jax.devices()[:2])
+
+
+@pytest.mark.parametrize("spec", [P(), P("pp")], ids=["replicated", "sharded"])
+def test_shard_map_takes_zero_size_operands_and_hands_the_body_their_local_shape(spec):
+    empty = jnp.zeros((2, 3, 0), jnp.float32)
+    seen = []
+
+    def body(x, pair):
+        e, y = pair
+        seen.append(e.shape)
+        return x * 2 + y, e, jnp.sum(e)
+
+    run = shard_map(
+        body,
+        mesh=mesh2(),
+        in_specs=(P("pp"), (spec, P("pp"))),
+        out_specs=(P("pp"), spec, P()),
+        check_vma=False,
+    )
+    x, y = jnp.arange(4.0), jnp.ones(4)
+    out, e, total = jax.jit(run)(x, (empty, y))
+    np.testing.assert_array_equal(out, x * 2 + 1)
+    assert e.shape == (2, 3, 0) and float(total) == 0.0
+    assert seen == [(1, 3, 0) if spec == P("pp") else (2, 3, 0)]
+
+
+def test_shard_map_without_zero_size_operands_is_jax_shard_map():
+    run = shard_map(lambda x: x + 1, mesh=mesh2(), in_specs=P("pp"), out_specs=P("pp"))
+    np.testing.assert_array_equal(jax.jit(run)(jnp.arange(4.0)), jnp.arange(4.0) + 1)
+
+
+@pytest.mark.parametrize(("start", "size"), [(0, 4), (0, 2), (1, 3), (3, 1)])
+def test_row_updates_equal_at_set_and_add_inside_shard_map(start, size):
+    rows = jnp.arange(8.0).reshape(2, 4).T.reshape(-1)  # 4 rows per device
+    value = jnp.arange(2 * size, dtype=jnp.float32) * 10
+
+    def body(r, v):
+        return set_rows(r, start, v), add_rows(r, start, v)
+
+    run = shard_map(body, mesh=mesh2(), in_specs=P("pp"), out_specs=P("pp"))
+    got_set, got_add = jax.jit(run)(rows, value)
+    for d in range(2):
+        r, v = rows[4 * d : 4 * d + 4], value[size * d : size * d + size]
+        np.testing.assert_array_equal(got_set[4 * d : 4 * d + 4], r.at[start : start + size].set(v))
+        np.testing.assert_array_equal(got_add[4 * d : 4 * d + 4], r.at[start : start + size].add(v))
+
+
+def test_row_updates_cast_to_the_rows_dtype_and_work_on_2d_rows():
+    x = jnp.zeros((3, 2), jnp.bfloat16)
+    v = jnp.ones((2, 2), jnp.float32)
+    assert set_rows(x, 1, v).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(add_rows(x, 1, v), x.at[1:3].add(v.astype(jnp.bfloat16)))
+
+
+def _scan_equation(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+    return eqn
+
+
+def test_scan_counts_and_params_rebuild_an_equal_scan():
+    w = jnp.float32(0.5)
+
+    def f(h, total, xs):
+        def step(carry, x):
+            h, t = carry
+            h = jnp.tanh(h * w + x)
+            return (h, t + h), 2 * h
+
+        return jax.lax.scan(step, (h, total), xs)
+
+    args = (jnp.float32(0.1), jnp.float32(0.0), jnp.arange(5.0))
+    eqn = _scan_equation(f, *args)
+    num_consts, num_carry = scan_counts(eqn.params)
+    assert (num_consts, num_carry) == (1, 2)
+    params = scan_params(eqn.params, eqn.params["jaxpr"], num_consts, num_carry)
+    rebuilt = eqn.primitive.bind(w, *args, **params)
+    (h, total), ys = f(*args)
+    np.testing.assert_allclose(rebuilt[0], h, rtol=1e-6)
+    np.testing.assert_allclose(rebuilt[1], total, rtol=1e-6)
+    np.testing.assert_allclose(rebuilt[2], ys, rtol=1e-6)
+
+
+def test_scan_params_describe_a_body_with_other_counts():
+    def f(xs):
+        return jax.lax.scan(lambda c, x: (c + x, c * x), jnp.float32(0.0), xs)
+
+    eqn = _scan_equation(f, jnp.arange(3.0))
+    assert scan_counts(eqn.params) == (0, 1)
+
+    # The same body seen as carry-less: a const (the carry's start) and one scanned input.
+    body = eqn.params["jaxpr"]
+    params = scan_params(eqn.params, body, num_consts=1, num_carry=0)
+    assert scan_counts(params) == (1, 0)
+    outs = eqn.primitive.bind(jnp.float32(2.0), jnp.arange(3.0), **params)
+    np.testing.assert_array_equal(outs[0], 2.0 + jnp.arange(3.0))
+    np.testing.assert_array_equal(outs[1], 2.0 * jnp.arange(3.0))
