@@ -45,6 +45,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
 
 from zbjax import cost_model
+from zbjax._jax_compat import scan_counts
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
 from zbjax.stages import Edge, Stage, StageGraph
@@ -674,7 +675,7 @@ def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int
         for v in eqn.outvars:
             defined[v] = lo + length - 1
         if length > 1:  # inside a scan the carry crosses every iteration boundary
-            carry = eqn.outvars[: eqn.params["num_carry"]]
+            carry = eqn.outvars[: scan_counts(eqn.params)[1]]
             delta[lo + 1] += sum(cost_model.aval_bytes(v.aval) for v in carry)
             delta[lo + length] -= sum(cost_model.aval_bytes(v.aval) for v in carry)
     for v in program.jaxpr.outvars:
@@ -795,7 +796,7 @@ def _chunked_scan_jaxpr(eqn: Any, ranges: list[tuple[int, int]]) -> ClosedJaxpr:
     reads row length - 1 - t of the scanned-over inputs.
     """
     params = eqn.params
-    length, num_consts, num_carry = params["length"], params["num_consts"], params["num_carry"]
+    length, (num_consts, num_carry) = params["length"], scan_counts(params)
     reverse = params["reverse"]
 
     def chunked(*args: Any) -> list[Any]:

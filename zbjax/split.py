@@ -40,6 +40,8 @@ from zbjax._jax_compat import (
     make_closed_jaxpr,
     new_var,
     replace_equation,
+    scan_counts,
+    scan_params,
     vmap_independent_scans,
 )
 from zbjax.cost_model import avals_bytes, jaxpr_cost, matmul_flops
@@ -405,7 +407,7 @@ def _split_scan(eqn: Any, b_needed: set, w_wants: set) -> list | None:
     params = eqn.params
     body: ClosedJaxpr = params["jaxpr"]
     bj = body.jaxpr
-    nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+    (nc, nk), length = scan_counts(params), params["length"]
     c_in, k_in, x_in = bj.invars[:nc], bj.invars[nc : nc + nk], bj.invars[nc + nk :]
     k_out, y_out = bj.outvars[:nk], bj.outvars[nk:]
     o_consts, o_init, o_xs = eqn.invars[:nc], eqn.invars[nc : nc + nk], eqn.invars[nc + nk :]
@@ -522,9 +524,7 @@ def _rest_of_body(
 def _scan_equation(
     eqn: Any, body: ClosedJaxpr, invars: list, outvars: list, num_consts: int, num_carry: int
 ) -> Any:
-    params = dict(eqn.params, jaxpr=body, num_consts=num_consts, num_carry=num_carry)
-    if "linear" in params:
-        params["linear"] = (False,) * len(invars)
+    params = scan_params(eqn.params, body, num_consts, num_carry)
     return replace_equation(eqn, invars, outvars, params)
 
 
