@@ -169,8 +169,22 @@ def _block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-def measure(case: Case, repeats: int) -> Measurement:
-    """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs."""
+@dataclass
+class Prepared:
+    """A reference stage's B, W and BW, looped as the pipeline's tick loop runs them, with the
+    arguments that time them."""
+
+    program: Any  # zbjax.stages.StageProgram
+    backward_input: Any  # zbjax.profile.Looped
+    backward_weight: Any
+    backward: Any
+    args: list  # B's and BW's arguments
+    residuals: list  # the residuals among them (W's first argument)
+    new: Any  # the stash values B wrote for W (W's second argument)
+
+
+def prepare(case: Case) -> Prepared:
+    """Returns ``case``'s stage split into B and W, each looped, and their arguments."""
     graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
     programs = split(graph)
     program = programs[case.stage_index]
@@ -182,53 +196,89 @@ def measure(case: Case, repeats: int) -> Measurement:
         case.stage_index,
     )[1]
     num_in = sum(graph.stages[case.stage_index].input_differentiable)
-    num_residuals = len(program.residual_avals)
-    forwarded = stash_forwarded(program)
     plain_b, plain_w = lowered_b_and_w(program, num_in)
     # Each timed call runs its program LOOP_RUNS times in a loop writing its outputs into slot
     # pools it keeps, as the pipeline's tick loop does (``zbjax.profile.looped``); times are
     # per run.
-    backward_input, backward_weight = looped(plain_b), looped(plain_w)
-    backward = looped(jaxpr_as_fun(program.backward))
-    residuals = args[:num_residuals]
+    backward_input = looped(plain_b)
     # W reads what B wrote for it; taken once (the pools B's calls return are reused).
     new = backward_input.outputs(backward_input(*args))[1]
+    return Prepared(
+        program,
+        backward_input,
+        looped(plain_w),
+        looped(jaxpr_as_fun(program.backward)),
+        args,
+        args[: len(program.residual_avals)],
+        new,
+    )
 
-    b_times, w_times = [], []
 
-    def run_split() -> Any:
-        _block(backward_input(*args))  # W starts after B, as in the pipeline
-        return _block(backward_weight(residuals, new))
+def measure(case: Case, repeats: int, chain: int = 1) -> Measurement:
+    """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs
+    (``chain``: see ``measure_prepared``)."""
+    return measure_prepared(case.label, prepare(case), repeats, chain)
 
-    def run_b_then_w() -> None:
-        # Waiting for B before W starts tells how the time divides (timed apart from the pairs).
+
+def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> Measurement:
+    """Returns the timing of B-then-W against BW of a prepared stage, alternating, median of
+    pairs.
+
+    With ``chain`` 1, each timed call waits for the device: W starts after B is done, as on a
+    CPU, where two programs in flight at once would share the cores. With ``chain`` > 1 (for
+    a GPU, whose stream runs programs in order), each sample queues ``chain`` calls and waits
+    once, so that the host's dispatch of the next call overlaps the device's work, as inside
+    one compiled pipeline step; waiting after each call would leave the device idle for the
+    host's round trip, twice per pair for the split and once for BW.
+    """
+    if chain < 1:
+        raise ValueError(f"chain={chain}; it must be at least 1")
+    program, args, residuals, new = p.program, p.args, p.residuals, p.new
+    backward_input, backward_weight, backward = p.backward_input, p.backward_weight, p.backward
+    forwarded = stash_forwarded(program)
+    runs = chain * LOOP_RUNS
+
+    def queue(*calls: Callable[[], Any]) -> float:
+        """Returns the seconds per run of ``chain`` rounds of ``calls``, waiting at the end
+        (after each call when ``chain`` is 1)."""
         began = time.perf_counter()
-        _block(backward_input(*args))
-        middle = time.perf_counter()
-        _block(backward_weight(residuals, new))
-        b_times.append((middle - began) / LOOP_RUNS)
-        w_times.append((time.perf_counter() - middle) / LOOP_RUNS)
+        for _ in range(chain):
+            for call in calls:
+                out = call()
+                if chain == 1:
+                    _block(out)
+        _block(out)
+        return (time.perf_counter() - began) / runs
 
-    def run_fused() -> Any:
-        return _block(backward(*args))
+    def b() -> Any:
+        return backward_input(*args)
 
-    for _ in range(3):  # compile and warm up both
-        run_split()
-        run_fused()
+    def w() -> Any:
+        return backward_weight(residuals, new)
+
+    def bw() -> Any:
+        return backward(*args)
+
+    for _ in range(3):  # compile and warm up all three
+        queue(b, w)
+        queue(bw)
+    # B, then W, each waited for, tell how the time divides (timed apart from the pairs).
+    b_times, w_times = [], []
     for _ in range(repeats):
-        run_b_then_w()
+        b_times.append(queue(b))
+        w_times.append(queue(w))
     split_times, fused_times = [], []
     for r in range(repeats):
         # Alternate which variant goes first so that drift in machine load hits both alike.
-        order = (run_split, run_fused) if r % 2 == 0 else (run_fused, run_split)
-        for fn in order:
-            began = time.perf_counter()
-            fn()
-            elapsed = (time.perf_counter() - began) / LOOP_RUNS
-            (split_times if fn is run_split else fused_times).append(elapsed)
+        if r % 2 == 0:
+            split_times.append(queue(b, w))
+            fused_times.append(queue(bw))
+        else:
+            fused_times.append(queue(bw))
+            split_times.append(queue(b, w))
     ratios = [s / f for s, f in zip(split_times, fused_times, strict=True)]
     return Measurement(
-        case.label,
+        label,
         statistics.median(split_times),
         statistics.median(fused_times),
         statistics.median(b_times),

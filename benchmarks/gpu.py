@@ -6,7 +6,10 @@ Three parts, in this order, written to finish in under 5 minutes on one H100/H20
    ``lax.scan`` may cost a host round trip per tick on a GPU): gpipe steps of a width-8 MLP,
    one layer per device, at m in {4, 16, 64}, step time regressed on the number of ticks.
 2. **B/W split overhead** (``bw_split.py``) at width 4096: B-then-W against fused BW for each
-   reference stage, alternating, median ratio, matmul FLOPs.
+   reference stage, alternating, median ratio, matmul FLOPs. Each timed sample queues
+   ``--chain`` calls before it waits, so the host's dispatch overlaps the GPU's work as in a
+   pipeline step; then each program's GPU kernel time from a ``jax.profiler`` trace, GEMM
+   kernels apart from the rest (``--dump DIR`` also writes each program's HLO and trace).
 3. **Memory** (``memory.py``) at width 4096: with 4 or more GPUs, the compiled per-device memory
    of every schedule's pipeline step; with fewer, the compiled memory of one stage's F, B, W
    and BW programs (what M_B and M_W are at this size) and every schedule's predicted peak.
@@ -20,10 +23,18 @@ Run: ``python benchmarks/gpu.py`` on a GPU machine (``--cpu-smoke`` to check it 
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
+import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,6 +49,7 @@ from _results import write_section
 from models import gpt
 from zbjax import schedules
 from zbjax.partition import partition
+from zbjax.profile import LOOP_RUNS
 from zbjax.split import split
 
 COMMAND = "python benchmarks/gpu.py"
@@ -56,6 +68,10 @@ REALISTIC_MEMORY = memory.Model(
     d_model=4096, num_heads=32, seq_len=1024, vocab_size=32000, num_layers=8, microbatch_rows=1
 )
 MEMORY_MICROBATCHES = 8
+# Calls of each looped program inside one profiler trace (each call runs it LOOP_RUNS times).
+TRACED_CALLS = 3
+# Kernels from a matrix library (cuBLAS, cuBLASLt, CUTLASS) or XLA's own Triton GEMMs.
+GEMM_KERNEL = re.compile(r"gemm|xmma|cutlass|cublas|wgmma|matmul", re.IGNORECASE)
 
 
 def tick_overhead_section(rounds: int) -> str:
@@ -72,24 +88,102 @@ def tick_overhead_section(rounds: int) -> str:
     )
 
 
-def bw_split_section(sizes: bw_split.Sizes, repeats: int) -> str:
-    """Returns the B/W split table at ``sizes``."""
-    measurements = []
+def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path | None) -> str:
+    """Returns the B/W split tables at ``sizes``: wall time of B then W against BW (``chain``
+    calls queued per sample, ``bw_split.measure_prepared``), and the GPU kernel time of each
+    program from a profiler trace (``dump``: also write each program's HLO and trace there)."""
+    measurements, kernel_rows, kernel_ratios = [], [], []
     for case in bw_split.reference_cases(sizes):
-        m = bw_split.measure(case, repeats)
-        print(f"{m.label}: ratio {m.ratio:.3f}", flush=True)
+        p = bw_split.prepare(case)
+        m = bw_split.measure_prepared(case.label, p, repeats, chain)
         measurements.append(m)
-    worst = max(m.ratio for m in measurements)
+        short = re.sub(r"\W+", "_", case.label.split(" (")[0]).strip("_")
+        kernels = {
+            name: program_kernels(fn, args, dump / f"{short}_{name}" if dump else None)
+            for name, fn, args in (
+                ("B", p.backward_input, tuple(p.args)),
+                ("W", p.backward_weight, (p.residuals, p.new)),
+                ("BW", p.backward, tuple(p.args)),
+            )
+        }
+        fused = kernels["BW"][0]
+        ratio = (kernels["B"][0] + kernels["W"][0]) / fused if fused else float("nan")
+        kernel_ratios.append(ratio)
+        for name, (total, gemm, top) in kernels.items():
+            kernel_rows.append(
+                f"| {case.label} | {name} | {total:.2f} | {gemm:.2f} | {total - gemm:.2f} | {top} |"
+            )
+        print(f"{m.label}: wall ratio {m.ratio:.3f}, kernel-time ratio {ratio:.3f}", flush=True)
     return "\n".join(
         [
-            f"**B/W split** ({repeats} alternating pairs per stage; ratio = median of "
-            "(B then W) / BW):",
+            f"**B/W split** ({repeats} alternating pairs per stage, each sample {chain} calls "
+            f"of {LOOP_RUNS} runs queued before one wait; ratio = median of (B then W) / BW):",
             "",
             bw_split.table(measurements),
             "",
-            f"Worst ratio: {worst:.3f} (target ≤ {bw_split.TARGET_RATIO}).",
+            f"**GPU kernel time per run** (a `jax.profiler` trace of {TRACED_CALLS} calls of "
+            f"{LOOP_RUNS} runs of each program alone; GEMM = cuBLAS/CUTLASS/Triton matrix "
+            "kernels; other = the largest non-GEMM HLO ops):",
+            "",
+            "| stage | program | kernels (ms) | GEMM (ms) | other (ms) | largest other (ms) |",
+            "|---|---|---|---|---|---|",
+            *kernel_rows,
+            "",
+            "Kernel-time ratio (B + W) / BW per stage: "
+            + ", ".join(f"{r:.3f}" for r in kernel_ratios)
+            + ".",
+            "",
+            f"Worst ratio: wall {max(m.ratio for m in measurements):.3f}, kernel time "
+            f"{max(kernel_ratios):.3f} (target ≤ {bw_split.TARGET_RATIO}).",
         ]
     )
+
+
+def device_kernels(trace_dir: Path) -> list[tuple[str, str, float]]:
+    """Returns (kernel name, HLO op, microseconds) of every GPU kernel in the perfetto trace
+    ``jax.profiler`` wrote under ``trace_dir`` (empty when the trace holds no GPU kernels)."""
+    (path,) = trace_dir.rglob("perfetto_trace.json.gz")
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpus = {e["pid"] for e in meta if e["name"] == "process_name" and "GPU" in e["args"]["name"]}
+    # Kernels sit on the lines of the CUDA streams; other device lines summarise them.
+    streams = {
+        (e["pid"], e["tid"])
+        for e in meta
+        if e["name"] == "thread_name" and e["pid"] in gpus and "Stream" in e["args"]["name"]
+    }
+    return [
+        (e["name"], e.get("args", {}).get("hlo_op", ""), float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams
+    ]
+
+
+def program_kernels(fn: Any, args: tuple, dump: Path | None) -> tuple[float, float, str]:
+    """Returns (kernel ms, GEMM kernel ms, the largest other HLO ops) per run of the looped
+    program ``fn`` on ``args``, from a ``jax.profiler`` trace of ``TRACED_CALLS`` calls.
+    ``dump``: also write its trace and optimised HLO to files starting with that path."""
+    jax.block_until_ready(fn(*args))  # compiled and warm
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(TRACED_CALLS):
+                jax.block_until_ready(fn(*args))
+        kernels = device_kernels(Path(tmp))
+        if dump is not None:
+            (trace,) = Path(tmp).rglob("perfetto_trace.json.gz")
+            shutil.copy(trace, f"{dump}.perfetto.json.gz")
+    if dump is not None:
+        Path(f"{dump}.hlo.txt").write_text(fn.lower(*args).compile().as_text())
+    runs = TRACED_CALLS * LOOP_RUNS
+    gemm = sum(d for k, _, d in kernels if GEMM_KERNEL.search(k)) / runs / 1e3
+    total = sum(d for _, _, d in kernels) / runs / 1e3
+    other: collections.Counter = collections.Counter()
+    for k, op, d in kernels:
+        if not GEMM_KERNEL.search(k):
+            other[op or k] += d / runs / 1e3
+    return total, gemm, ", ".join(f"{op} {ms:.2f}" for op, ms in other.most_common(3)) or "–"
 
 
 def _compiled_memory(closed, args) -> tuple[int, int]:
@@ -181,7 +275,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Returns 0 after running the three parts (2 when there is no GPU and no --cpu-smoke)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU, no writes")
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--chain", type=int, default=4, help="B/W split: calls queued per timed sample"
+    )
+    parser.add_argument(
+        "--dump", type=Path, default=None, help="write each traced program's HLO and trace here"
+    )
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         jax.config.update("jax_num_cpu_devices", memory.NUM_DEVICES)
@@ -199,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = 3 if smoke else args.repeats
     parts = [tick_overhead_section(rounds=3 if smoke else 11)]
     print(parts[-1], flush=True)
-    parts.append(bw_split_section(bw_split.SMOKE_SIZES if smoke else REALISTIC, repeats))
+    if args.dump is not None:
+        args.dump.mkdir(parents=True, exist_ok=True)
+    sizes = bw_split.SMOKE_SIZES if smoke else REALISTIC
+    parts.append(bw_split_section(sizes, repeats, 2 if smoke else args.chain, args.dump))
     print(parts[-1], flush=True)
     model = memory.SMOKE_MODEL if smoke else REALISTIC_MEMORY
     if len(jax.devices()) >= memory.NUM_DEVICES and not smoke:
