@@ -32,6 +32,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zbjax._jax_compat import shard_map
 from zbjax.lower import Lowering, slot_layout
 from zbjax.schedules.ir import Costs
 from zbjax.split import forwarded_stash
@@ -386,7 +387,7 @@ def _exchange_call(
 
     spec = [[PartitionSpec(axis)] * len(per_shift) for per_shift in payloads]
     run = jax.jit(
-        jax.shard_map(
+        shard_map(
             exchange,
             mesh=mesh,
             in_specs=(spec,),
