@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +30,10 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
     case = bw_split.reference_cases(bw_split.SMOKE_SIZES)[0]
     m = bw_split.measure(case, repeats=2)
     assert m.flops_b + m.flops_w == m.flops_bw > 0
+    chained = bw_split.measure_prepared(case.label, bw_split.prepare(case), repeats=2, chain=3)
+    assert chained.split_s > 0 and chained.fused_s > 0 and chained.ratio > 0
+    with pytest.raises(ValueError, match="chain=0"):
+        bw_split.measure_prepared(case.label, bw_split.prepare(case), repeats=2, chain=0)
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
     assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
 
@@ -132,6 +138,36 @@ def test_overlap_benchmark_times_every_variant_in_two_pinned_processes():
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in times.values())
     text = overlap.section(times, 2, 1.0)
     assert all(f"| {name} |" in text for name in overlap.VARIANTS)
+
+
+def test_gpu_kernels_are_read_off_the_stream_lines_of_a_perfetto_trace(tmp_path):
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {
+            "ph": "M",
+            "pid": 1,
+            "tid": 7,
+            "name": "thread_name",
+            "args": {"name": "Stream #14(Compute)"},
+        },
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 9, "tid": 3, "name": "thread_name", "args": {"name": "Stream host"}},
+    ]
+    gemm = "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n"
+    events = [
+        {"ph": "X", "pid": 1, "tid": 7, "name": gemm, "dur": 300.0, "args": {"hlo_op": "cb_1"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "dur": 60.0, "args": {}},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "jit_step", "dur": 999.0},  # a summary line
+        {"ph": "X", "pid": 9, "tid": 3, "name": "cublas_host_call", "dur": 999.0},  # host
+    ]
+    trace = tmp_path / "plugins" / "profile" / "run"
+    trace.mkdir(parents=True)
+    with gzip.open(trace / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    kernels = gpu.device_kernels(tmp_path)
+    assert kernels == [(gemm, "cb_1", 300.0), ("loop_add_fusion", "", 60.0)]
+    assert [bool(gpu.GEMM_KERNEL.search(k)) for k, _, _ in kernels] == [True, False]
 
 
 def test_gpu_script_refuses_politely_without_a_gpu(capsys):
