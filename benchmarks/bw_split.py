@@ -35,6 +35,7 @@ from zbjax.profile import (
     lowered_b_and_w,
     stage_arguments,
     stash_forwarded,
+    weight_apart,
 )
 from zbjax.split import split
 
@@ -206,7 +207,7 @@ def prepare(case: Case) -> Prepared:
     return Prepared(
         program,
         backward_input,
-        looped(plain_w),
+        looped(plain_w, apart=weight_apart(args)),
         looped(jaxpr_as_fun(program.backward)),
         args,
         args[: len(program.residual_avals)],

@@ -141,6 +141,45 @@ def pipe_actions(schedule: str) -> list:
     return [(k, s) for k in kinds for s in range(2)]
 
 
+def _transposed_slot_reads(text: str, scope: str) -> list[list[str]]:
+    """Returns, per fusion in ``scope`` ("W s1") that both reads a slot (a dynamic slice) and
+    transposes, the shapes of its parameters."""
+    bodies = {c.split(" ", 1)[0][1:]: c for c in re.split(r"\n(?=%\S+ \()", text)}
+    found = []
+    for line in text.splitlines():
+        m = re.search(r"fusion\(.*calls=%([\w.\-]+).*op_name=\"[^\"]*/" + scope + r"[/\"]", line)
+        body = bodies.get(m.group(1), "") if m else ""
+        if "transpose(" in body and "dynamic-slice(" in body:
+            found.append(re.findall(r"= (\w+\[[0-9,]+\])\S* parameter\(", body))
+    return found
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_w_reads_the_stash_b_wrote_apart_from_its_transposes_on_cpu(apart, monkeypatch):
+    # XLA:CPU fuses a slot read into the transpose a weight gradient's matmul wants and emits
+    # that as an untiled strided loop, 8x slower than its transpose of a whole buffer; so the
+    # lowering reads W's stash inside a conditional there (``read_apart``). Without it (the
+    # platform list emptied), W's transposes read the stash pool directly.
+    monkeypatch.setattr(zbjax.lower, "SLOT_CANDIDATES", STASH_SLOTS)
+    if not apart:
+        monkeypatch.setattr(zbjax.lower, "STASH_READS_APART", ())
+    assert zbjax.lower.reads_stash_apart(jax.devices()[:2]) == apart
+    text, pipe = _compiled_text("zb-h1", 4, "gpt")
+    low = pipe.lowering
+    stash_pools = {
+        f"f32[{low.tables.num_stash_slots},{c}]"
+        for c, dtype in zip(low.stash_capacity, low.slot_dtypes, strict=True)
+        if c and dtype == "float32"
+    }
+    assert stash_pools
+    reads = [shapes for s in (0, 1) for shapes in _transposed_slot_reads(text, f"W s{s}")]
+    from_stash = [shapes for shapes in reads if stash_pools & set(shapes)]
+    if apart:
+        assert not from_stash, from_stash
+    else:
+        assert from_stash
+
+
 def test_w_reads_the_residuals_it_needs_where_f_stored_them_and_b_copies_none():
     params = mlp.init_params(jax.random.key(0), CFG)
     microbatch = mlp.make_batch(jax.random.key(1), CFG, 8)

@@ -359,6 +359,41 @@ def test_looped_runs_the_whole_program_in_every_run_of_its_loop():
         looped(fn, slots=0)
 
 
+def test_looped_reads_the_arguments_apart_inside_a_conditional():
+    from zbjax.profile import looped, weight_apart
+
+    def fn(x, y):
+        return x.T @ y
+
+    x = jax.random.normal(jax.random.key(0), (32, 16))
+    y = jax.random.normal(jax.random.key(1), (32, 8))
+    close = {"rtol": 1e-5, "atol": 1e-6}
+    plain, apart = looped(fn, 3), looped(fn, 3, apart=[1])
+    np.testing.assert_allclose(apart.outputs(apart(x, y)), fn(x, y), **close)
+    np.testing.assert_allclose(plain.outputs(plain(x, y)), fn(x, y), **close)
+    # y is read in a conditional of the loop body; without apart there is none.
+    assert " conditional(" in apart.lower(x, y).compile().as_text()
+    assert " conditional(" not in plain.lower(x, y).compile().as_text()
+    with pytest.raises(ValueError, match=r"apart=\(2,\) names arguments"):
+        looped(fn, 3, apart=[2])(x, y)
+    # The lowering reads W's stash apart on CPU: W's second argument, the values B wrote.
+    assert weight_apart([x]) == (1,)
+
+
+def test_read_apart_returns_what_it_reads_from_a_conditional():
+    from zbjax.lower import read_apart
+
+    pool = jnp.arange(12.0).reshape(3, 4)
+
+    def step(pool, slot):
+        return read_apart(lambda: {"row": pool[slot], "twice": 2 * pool[slot]}, slot)
+
+    got = jax.jit(step)(pool, 2)
+    np.testing.assert_array_equal(got["row"], pool[2])
+    np.testing.assert_array_equal(got["twice"], 2 * pool[2])
+    assert "cond" in str(jax.make_jaxpr(step)(pool, 2))
+
+
 def test_looped_writes_each_run_into_its_slot_in_place():
     from zbjax.profile import looped
 

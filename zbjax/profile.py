@@ -33,7 +33,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax._jax_compat import shard_map
-from zbjax.lower import Lowering, slot_layout
+from zbjax.lower import Lowering, read_apart, reads_stash_apart, slot_layout
 from zbjax.schedules.ir import Costs
 from zbjax.split import forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
@@ -123,6 +123,15 @@ def lowered_b_and_w(program: StageProgram, num_in: int) -> tuple[Callable, Calla
     return backward_input, backward_weight
 
 
+def weight_apart(args: Sequence[Any]) -> tuple[int, ...]:
+    """Returns the ``apart`` positions for ``looped`` of ``lowered_b_and_w``'s W on the device
+    ``args`` lie on (the first array's; the default device without any): its second argument,
+    the values B wrote, where the lowering reads W's stash apart (``reads_stash_apart``)."""
+    placed = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
+    devices = placed[0].devices() if placed else [jax.devices()[0]]
+    return (1,) if reads_stash_apart(list(devices)) else ()
+
+
 #: Runs of an action in one timed call of ``looped``.
 LOOP_RUNS = 8
 #: Slots of the pools ``looped`` writes an action's outputs into, run after run in turn.
@@ -150,18 +159,20 @@ class Looped:
     neither hoist any part of a run out of the loop nor merge runs (it does not fold ``x * 0``
     for floats, which would turn a NaN into 0), and the runs follow one another as the
     pipeline's do. The additions stand for the pipeline's reads of its pools: where an operand
-    must be contiguous (a matmul's), both copy it once.
+    must be contiguous (a matmul's), both copy it once. The arguments at positions ``apart``
+    get theirs inside a conditional, as the lowering reads W's stash where
+    ``zbjax.lower.reads_stash_apart`` says (``zbjax.lower.read_apart``).
 
     Calling it returns the pools (every output with a leading axis of ``slots``);
     ``outputs(pools)`` picks the last run's outputs out of them.
     """
 
-    def __init__(self, fn: Callable[..., Any], runs: int, slots: int):
+    def __init__(self, fn: Callable[..., Any], runs: int, slots: int, apart: Sequence[int] = ()):
         if runs < 1:
             raise ValueError(f"runs={runs}; it must be at least 1")
         if slots < 1:
             raise ValueError(f"slots={slots}; it must be at least 1")
-        self.fn, self.runs, self.slots = fn, runs, slots
+        self.fn, self.runs, self.slots, self.apart = fn, runs, slots, tuple(sorted(set(apart)))
         self._loop = jax.jit(self._run_loop, donate_argnums=0)
         last = (runs - 1) % slots
         self._take = jax.jit(lambda pools: jax.tree.map(lambda p: p[last], pools))
@@ -170,15 +181,30 @@ class Looped:
         self._args: tuple[Any, ...] | None = None
 
     def _run_loop(self, pools: Any, *args: Any) -> Any:
+        if any(not 0 <= k < len(args) for k in self.apart):
+            raise ValueError(
+                f"apart={self.apart} names arguments that the {len(args)} arguments lack; "
+                f"pass positions below {len(args)}"
+            )
         leaves, treedef = jax.tree_util.tree_flatten(args)
         pool_leaves, pool_def = jax.tree_util.tree_flatten(pools)
+        # Which leaves belong to the arguments read apart.
+        starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
+        apart = [j for k in self.apart for j in range(starts[k], starts[k + 1])]
 
         def body(i, carry):
             link, written = carry
-            linked = [
-                x + link.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-                for x in leaves
-            ]
+
+            def read(x):
+                if jnp.issubdtype(x.dtype, jnp.inexact):
+                    return x + link.astype(x.dtype)
+                return x
+
+            linked = [read(x) for x in leaves]
+            if apart:
+                read_off = read_apart(lambda: [read(leaves[j]) for j in apart], i)
+                for j, x in zip(apart, read_off, strict=True):
+                    linked[j] = x
             out_leaves = jax.tree_util.tree_leaves(
                 self.fn(*jax.tree_util.tree_unflatten(treedef, linked))
             )
@@ -241,11 +267,17 @@ class Looped:
         return self._loop.lower(self._new_pools(args), *args)
 
 
-def looped(fn: Callable[..., Any], runs: int = LOOP_RUNS, slots: int = LOOP_SLOTS) -> Looped:
+def looped(
+    fn: Callable[..., Any],
+    runs: int = LOOP_RUNS,
+    slots: int = LOOP_SLOTS,
+    apart: Sequence[int] = (),
+) -> Looped:
     """Returns ``fn`` run ``runs`` times per call in a loop writing its outputs into pools of
     ``slots`` slots kept between calls, as the pipeline's tick loop runs an action
-    (``Looped``)."""
-    return Looped(fn, runs, slots)
+    (``Looped``; ``apart``: the positions of the arguments read apart from the work, as the
+    lowering reads W's stash on some platforms, ``zbjax.lower.read_apart``)."""
+    return Looped(fn, runs, slots, apart)
 
 
 def median_times(calls: Sequence[tuple[Callable[..., Any], Sequence[Any]]], repeats: int):
@@ -276,9 +308,9 @@ def stage_cost_calls(
     for index, program in enumerate(programs):
         forward_args, args = stage_arguments(graph, programs, param_leaves, batch_leaves, index)
         num_in = sum(graph.stages[index].input_differentiable)
-        backward_input, backward_weight = (
-            looped(fn, slots=slots) for fn in lowered_b_and_w(program, num_in)
-        )
+        plain_b, plain_w = lowered_b_and_w(program, num_in)
+        backward_input = looped(plain_b, slots=slots)
+        backward_weight = looped(plain_w, slots=slots, apart=weight_apart(args))
         # W's inputs from the very B that is timed (its loop's outputs are B's), so B compiles
         # once.
         new = backward_input.outputs(backward_input(*args))[1]
