@@ -17,6 +17,7 @@ run benchmarks/lockstep.py
 if [ -f benchmarks/graphpipe.py ]; then run benchmarks/graphpipe.py; fi
 run benchmarks/bw_split.py
 run benchmarks/slot_writes.py
+run benchmarks/stash_reads.py
 run benchmarks/memory.py
 run benchmarks/compile_time.py
 run benchmarks/step_time.py

@@ -21,6 +21,7 @@ import memory  # noqa: E402
 import multiprocess  # noqa: E402
 import overlap  # noqa: E402
 import slot_writes  # noqa: E402
+import stash_reads  # noqa: E402
 import step_time  # noqa: E402
 
 from zbjax import schedules  # noqa: E402
@@ -36,6 +37,18 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
         bw_split.measure_prepared(case.label, bw_split.prepare(case), repeats=2, chain=0)
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
     assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
+
+
+def test_stash_reads_times_transposes_and_w_both_ways():
+    transposes, weights = stash_reads.measure(bw_split.SMOKE_SIZES, (2, 4, 8), repeats=2)
+    assert set(transposes) == set(stash_reads.transpose_calls((2, 4, 8)))
+    assert all(len(t) == 2 and min(t) > 0 for t in transposes.values())
+    # Every reference stage but the first GPT stage, whose B writes W nothing.
+    assert len(weights) == len(bw_split.reference_cases(bw_split.SMOKE_SIZES)) - 1
+    for label, times in weights:
+        assert set(times) == {"B", "W, reads fused", "W, reads apart", "BW"}
+        assert stash_reads.weight_row(label, times).count("|") == 9
+    assert "| (2, 4, 8) float32 |" in stash_reads.transpose_table((2, 4, 8), transposes)
 
 
 def test_lockstep_rows_never_lose_to_packing_and_the_section_lists_them():

@@ -580,9 +580,9 @@ def branch_keys(tables: TickTables, lane: int) -> tuple[tuple[int, int], ...]:
 
 #: Platforms on which W reads the stash B wrote for it apart from its work (``read_apart``).
 #: XLA:CPU fuses a slot read into the transpose a weight gradient's matmul wants of it (the
-#: cotangent, rows last) and emits that as an untiled strided loop: 8x its tiled transpose of
-#: a whole buffer (4 MB: 7.9 ms against 0.97 ms on one core of the project's Xeon), which made
-#: W of a GPT block 1.3x its part of the fused backward.
+#: cotangent, rows last) and emits that as an untiled strided loop: 5x its tiled transpose of
+#: a whole buffer on one core of the project's Xeon (4 MB, `benchmarks/stash_reads.py`), which
+#: made W of the GPT reference stages 1.14-1.16x what it takes reading its stash apart.
 STASH_READS_APART = ("cpu",)
 #: Where W's stash values lie that B wrote for it (``SlotLayout.stash`` sources).
 B_WROTE = ("stash", "overlay")
