@@ -844,11 +844,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 else:
                     _add_gradients(layout, stage_index, grads, rest)
             else:  # BACKWARD_WEIGHT
-                written = [i for i, (where, _) in enumerate(slots.stash) if where in B_WROTE]
-                if stash_apart and written:
-                    stash = resolve(slots.stash, apart=written)
-                else:
-                    stash = resolve(slots.stash)
+                apart = [i for i, (where, _) in enumerate(slots.stash) if where in B_WROTE]
+                stash = resolve(slots.stash, apart=apart if stash_apart else ())
                 param_cts = jaxpr_as_fun(program.backward_weight)(*stash)
                 _add_gradients(layout, stage_index, grads, param_cts)
         return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss)

@@ -127,9 +127,14 @@ def weight_apart(args: Sequence[Any]) -> tuple[int, ...]:
     """Returns the ``apart`` positions for ``looped`` of ``lowered_b_and_w``'s W on the device
     ``args`` lie on (the first array's; the default device without any): its second argument,
     the values B wrote, where the lowering reads W's stash apart (``reads_stash_apart``)."""
+    device = _device_of(args)
+    return (1,) if reads_stash_apart([device or jax.devices()[0]]) else ()
+
+
+def _device_of(args: Any) -> jax.Device | None:
+    """Returns the device of the first array in ``args``, or None without any."""
     placed = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
-    devices = placed[0].devices() if placed else [jax.devices()[0]]
-    return (1,) if reads_stash_apart(list(devices)) else ()
+    return next(iter(placed[0].devices())) if placed else None
 
 
 #: Runs of an action in one timed call of ``looped``.
@@ -228,9 +233,9 @@ class Looped:
         device."""
         out_avals = jax.eval_shape(self.fn, *args)
         pools = jax.tree.map(lambda a: jnp.zeros((self.slots, *a.shape), a.dtype), out_avals)
-        placed = [x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)]
-        if placed:
-            pools = jax.device_put(pools, next(iter(placed[0].devices())))
+        device = _device_of(args)
+        if device is not None:
+            pools = jax.device_put(pools, device)
         return pools
 
     def _pools_key(self, args: Sequence[Any]) -> Any:
