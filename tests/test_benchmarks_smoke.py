@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import buffers  # noqa: E402
 import bw_split  # noqa: E402
 import gpu  # noqa: E402
 import lockstep  # noqa: E402
@@ -68,6 +69,15 @@ def test_lockstep_rows_never_lose_to_packing_and_the_section_lists_them():
     assert any(r.segmented for r in rows)
     text = lockstep.section(results, took=1.0)
     assert text.count("\n| 4 |") == len(rows)
+
+
+def test_buffers_times_every_variant_of_both_models_and_finds_the_pools_donated():
+    rows = [buffers.measure(case, rounds=2) for case in buffers.cases(small=True)]
+    for row in rows:
+        assert set(row.times) == set(buffers.VARIANTS)
+        assert all(len(t) == 2 and min(t) > 0 for t in row.times.values())
+        assert row.alias_donated == row.pool_bytes > 0
+    assert buffers.table(rows).count("\n") == 3 * len(rows) + 1
 
 
 def test_slot_writes_times_every_action_of_every_stage_both_ways():

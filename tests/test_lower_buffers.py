@@ -288,3 +288,64 @@ def test_w_stash_written_over_b_residuals_gives_value_and_grad(costs, monkeypatc
         pipe.unstage(grads),
         want_grads,
     )
+
+
+def test_buffers_donated_to_a_user_jit_run_the_step_in_place():
+    params = mlp.init_params(jax.random.key(0), CFG)
+    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    loss_fn = mlp.make_loss_fn(CFG)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=2)
+    staged = pipe.stage(params, batch)
+    buffers = pipe.init_buffers(staged, batch)
+    assert isinstance(buffers, zbjax.Buffers) and buffers.pools
+    assert buffers.nbytes == pipe.lowering.slot_pool_bytes() * 2  # both devices' rows
+
+    def step(staged, batch, buffers):
+        loss, grads, buffers = pipe.value_and_grad(staged, batch, buffers=buffers)
+        return loss, grads, buffers
+
+    jitted = jax.jit(step, donate_argnums=2)
+    want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    for _ in range(2):  # the second step runs in the pools the first one returned
+        given = buffers
+        loss, grads, buffers = jitted(staged, batch, buffers)
+        assert all(p.is_deleted() for p in given.pools if p.size)  # empty pools are not passed
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+            pipe.unstage(grads),
+            want_grads,
+        )
+    # The pools are the step's inputs and outputs, aliased: the program allocates none.
+    with_buffers = jitted.lower(staged, batch, buffers).compile().memory_analysis()
+    assert with_buffers.alias_size_in_bytes == pipe.lowering.slot_pool_bytes()
+    plain = jax.jit(pipe.value_and_grad).lower(staged, batch).compile().memory_analysis()
+    assert plain.alias_size_in_bytes == 0
+    assert (
+        plain.temp_size_in_bytes - with_buffers.temp_size_in_bytes
+        >= pipe.lowering.slot_pool_bytes()
+    )
+
+
+def test_buffers_outside_jit_and_ahead_of_time_and_bad_buffers():
+    params = mlp.init_params(jax.random.key(0), CFG)
+    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    loss_fn = mlp.make_loss_fn(CFG)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    want_loss, _ = jax.value_and_grad(loss_fn)(params, batch)
+    buffers = pipe.init_buffers(params, batch)
+    loss, _, returned = pipe.value_and_grad(params, batch, buffers=buffers)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    with pytest.raises(zbjax.PipelineError, match="donated to an earlier step"):
+        pipe.value_and_grad(params, batch, buffers=buffers)
+    compiled = pipe.lower(params, batch, buffers=returned).compile()
+    loss, _, returned = compiled(params, batch, None, returned)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert isinstance(returned, zbjax.Buffers)
+    with pytest.raises(zbjax.PipelineError, match="takes the Buffers"):
+        pipe.value_and_grad(params, batch, buffers=list(returned.pools))
+    other = mlp.make_batch(jax.random.key(1), CFG, 32)
+    with pytest.raises(zbjax.PipelineError, match="init_buffers"):
+        pipe.value_and_grad(params, other, buffers=returned)

@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 CHECK = """
 import json
 for _ in range(2):
-    staged, state, loss = train_step(staged, state, batch)
+    staged, state, loss, buffers = train_step(staged, state, batch, buffers)
 # The same two steps unpipelined, with optax's own clipping on the user-layout tree.
 ref_opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 ref_params, ref_state = params, ref_opt.init(params)

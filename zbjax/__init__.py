@@ -18,6 +18,7 @@ from zbjax.microbatch import split_microbatches as split_microbatches
 from zbjax.params import StagedParams as StagedParams
 from zbjax.partition import partition as partition
 from zbjax.partition import stage_summary as stage_summary
+from zbjax.pipeline import Buffers as Buffers
 from zbjax.pipeline import Pipeline as Pipeline
 from zbjax.pipeline import pipeline as pipeline
 

@@ -362,8 +362,8 @@ def run_demo(
 
     ``on_report`` receives the pipeline report (stages, params per stage, schedule grid,
     per-device memory) once the step is compiled; ``on_step`` receives every finished step.
-    The steps run the executable of ``pipe.lower(staged, batch).compile()``, which is
-    ``pipe.value_and_grad`` compiled ahead of time.
+    The steps run the executable of ``pipe.lower(staged, batch, buffers=buffers).compile()``,
+    which is ``pipe.value_and_grad(..., buffers=)`` compiled ahead of time.
     """
     import optax
 
@@ -416,7 +416,9 @@ def run_demo(
     tick = time.perf_counter()
     # Compiled ahead of time, so that the first step's time is a step's, not the compiler's;
     # the report reads its memory from this compile instead of compiling one of its own.
-    step_fn = pipe.lower(staged, batches(0)).compile()
+    # The step runs in slot pools kept from step to step (donated to it), not in new ones.
+    buffers = pipe.init_buffers(staged, batches(0))
+    step_fn = pipe.lower(staged, batches(0), buffers=buffers).compile()
     phases.append(("compile", time.perf_counter() - tick))
     if on_report is not None:
         tick = time.perf_counter()
@@ -443,7 +445,8 @@ def run_demo(
         tick = time.perf_counter()
         annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
         with annotation if profiling else nullcontext():
-            loss, grads = step_fn(staged, batch, None)  # = pipe.value_and_grad(staged, batch)
+            # = pipe.value_and_grad(staged, batch, buffers=buffers)
+            loss, grads, buffers = step_fn(staged, batch, None, buffers)
             staged, state = apply(grads, state, staged)
             loss = float(loss)
             jax.block_until_ready(staged)

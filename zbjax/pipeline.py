@@ -35,8 +35,9 @@ Choices a careful user would want to know:
   every element once, not with ``optax.clip_by_global_norm``, which would count such a leaf
   twice.
 - Params and batch are never donated: the step returns gradients and leaves params to the
-  caller's optimizer. Only the step's own slot pools are, between calls on CPU meshes
-  (``keep_buffers``).
+  caller's optimizer. Only the step's own slot pools are: between calls on CPU meshes
+  (``keep_buffers``), and the ``Buffers`` passed as ``value_and_grad(..., buffers=)``, which
+  a user's ``jax.jit`` should donate.
 """
 
 from __future__ import annotations
@@ -92,8 +93,31 @@ class _Built:
     lowering: Lowering
     step: Callable[..., Any]  # jitted (params or staged, batch, key) -> (loss, grads)
     partitioner: str = "chain"  # the partitioner that made ``graph`` ("auto" resolved)
-    # jitted (params or staged, batch, key, pools) -> (loss, grads, pools), pools donated
+    # jitted (params or staged, batch, key, Buffers) -> (loss, grads, Buffers), buffers donated
     step_with_pools: Callable[..., Any] | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+    """The slot pools one pipelined step keeps its residuals and W's stash in (a pytree).
+
+    Made by ``Pipeline.init_buffers`` for one set of input shapes; ``value_and_grad(...,
+    buffers=b)`` runs the step in them instead of allocating its own and returns them, to be
+    passed to the next step. Donate them to your ``jax.jit`` (``donate_argnums``) and no step
+    spends time allocating and initialising slot memory. Their contents between steps mean
+    nothing.
+    """
+
+    pools: tuple[jax.Array, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pools hold over all devices."""
+        return sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in self.pools)
+
+    def __repr__(self) -> str:
+        return f"Buffers({len(self.pools)} pools, {self.nbytes / 1e6:.1f} MB)"
 
 
 def _avals(tree: Any) -> Any:
@@ -177,7 +201,7 @@ class Pipeline:
         # By default ticks are packed only by costs the user measured: the static estimates can be
         # far off on small stages (2-core CPU demo GPT: 5.6% slower packed by them).
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
-        self._pools: dict[int, list] = {}  # id(_Built) -> slot pools kept between calls
+        self._pools: dict[int, Buffers] = {}  # id(_Built) -> slot pools kept between calls
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -188,25 +212,83 @@ class Pipeline:
 
     # ------------------------------------------------------------------ public surface
 
-    def value_and_grad(self, params: Any, batch: Any, key: jax.Array | None = None):
+    def value_and_grad(
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array | None = None,
+        *,
+        buffers: Buffers | None = None,
+    ):
         """Returns (mean loss over microbatches, grads in the layout ``params`` came in).
 
         With ``key``, ``loss_fn`` is called as ``loss_fn(params, microbatch, key_i)`` with
         ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i``.
+
+        With ``buffers`` (from ``init_buffers``, or returned by the previous step), the step
+        keeps its residual and stash slots in them and returns (loss, grads, buffers): pass
+        the returned ones to the next step. Inside your ``jax.jit``, donate them
+        (``donate_argnums``) and return them, so that no step allocates or zeroes slot memory
+        (on CPU a memory pass per step, which ``keep_buffers`` saves only outside a ``jit``).
+        Outside a ``jit`` the buffers passed in are donated and deleted.
         """
         built = self._get(params, batch, key)
+        if buffers is not None:
+            self._check_buffers(buffers, built)
+            return built.step_with_pools(params, batch, key, buffers)
         if self.keep_buffers and not _traced((params, batch, key)):
             # The slot pools of the previous call are donated to this one, so no step spends
             # time allocating and initialising them.
-            pools = self._pools.pop(id(built), None) or built.lowering.new_pools()
+            pools = self._pools.pop(id(built), None) or _new_buffers(built)
             loss, grads, self._pools[id(built)] = built.step_with_pools(params, batch, key, pools)
             return loss, grads
         return built.step(params, batch, key)
 
-    def lower(self, params: Any, batch: Any, key: jax.Array | None = None) -> jax.stages.Lowered:
-        """Returns the jitted step's ``Lowered`` for these inputs (``.compile()`` works)."""
+    def init_buffers(self, params: Any, batch: Any, key: jax.Array | None = None) -> Buffers:
+        """Returns new slot pools for ``value_and_grad(params, batch, key, buffers=...)``
+        with inputs of these shapes (each device's rows on it; ``params`` in either layout)."""
+        return _new_buffers(self._get(params, batch, key))
+
+    def lower(
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array | None = None,
+        *,
+        buffers: Buffers | None = None,
+    ) -> jax.stages.Lowered:
+        """Returns the jitted step's ``Lowered`` for these inputs (``.compile()`` works).
+
+        With ``buffers``, the step that takes them (donated) as a fourth argument and returns
+        (loss, grads, buffers), as ``value_and_grad(..., buffers=)`` runs it."""
         built = self._get(params, batch, key)
+        if buffers is not None:
+            self._check_buffers(buffers, built)
+            return built.step_with_pools.lower(params, batch, key, buffers)
         return built.step.lower(params, batch, key)
+
+    def _check_buffers(self, buffers: Any, built: _Built) -> None:
+        if not isinstance(buffers, Buffers):
+            raise PipelineError(
+                f"buffers= takes the Buffers that pipe.init_buffers(params, batch) made (or the "
+                f"previous step returned), not a {type(buffers).__name__}"
+            )
+        want = [(tuple(a.shape), np.dtype(a.dtype)) for a in built.lowering.pool_avals()]
+        got = [(tuple(np.shape(p)), np.dtype(p.dtype)) for p in buffers.pools]
+        if got != want:
+            raise PipelineError(
+                f"buffers hold pools {got} but the step for these inputs' shapes needs {want}; "
+                "make them with pipe.init_buffers(params, batch) for inputs of these shapes"
+            )
+        if any(
+            isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer) and p.is_deleted()
+            for p in buffers.pools
+        ):
+            raise PipelineError(
+                "these buffers were donated to an earlier step, which deleted them; pass the "
+                "buffers that step returned (loss, grads, buffers = pipe.value_and_grad(..., "
+                "buffers=buffers))"
+            )
 
     def measure_costs(
         self,
@@ -398,11 +480,13 @@ class Pipeline:
         if compiled is not None:
             mem = compiled.memory_analysis()
             if mem is not None:
+                aliased = mem.alias_size_in_bytes
                 lines.append(
                     "compiled per-device memory: "
                     f"arguments {mem.argument_size_in_bytes:,} B, "
-                    f"outputs {mem.output_size_in_bytes:,} B, "
-                    f"temporaries {mem.temp_size_in_bytes:,} B"
+                    f"outputs {mem.output_size_in_bytes:,} B"
+                    + (f" ({aliased:,} B of them in donated arguments)" if aliased else "")
+                    + f", temporaries {mem.temp_size_in_bytes:,} B"
                 )
         return "\n".join(lines)
 
@@ -503,7 +587,12 @@ class Pipeline:
         lowering = lower(graph, programs, schedule, self.mesh, self.axis_name, costs)
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
         step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
-        step_with_pools = jax.jit(step_fn, donate_argnums=3)
+
+        def step_buffers(params, batch, key, buffers):
+            loss, grads, pools = step_fn(params, batch, key, list(buffers.pools))
+            return loss, grads, Buffers(tuple(pools))
+
+        step_with_pools = jax.jit(step_buffers, donate_argnums=3)
         # The lowering's schedule is what runs (it may fuse a stage's empty B with its W).
         return _Built(graph, programs, lowering.schedule, lowering, step, kind, step_with_pools)
 
@@ -729,6 +818,10 @@ class Pipeline:
         return step
 
 
+def _new_buffers(built: _Built) -> Buffers:
+    return Buffers(tuple(built.lowering.new_pools()))
+
+
 def _traced(tree: Any) -> bool:
     """Returns whether any leaf of ``tree`` is a tracer (the call is inside a user's trace)."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
@@ -822,7 +915,8 @@ def pipeline(
     every step. Default: on CPU meshes, where XLA fills fresh slots with zeros (a memory pass
     per step); off elsewhere, where allocating them costs nothing and the memory is better left
     free between steps (for the optimizer's update). It applies to calls with concrete arrays;
-    inside a user's ``jax.jit`` the step allocates its slots itself.
+    inside a user's ``jax.jit`` the step allocates its slots itself unless given them:
+    ``pipe.init_buffers`` and ``value_and_grad(..., buffers=)``.
 
     ``pack_ticks``: the compiled step advances all devices tick by tick, each tick as long as
     its slowest action; when packing, a device that would finish early also runs its next
