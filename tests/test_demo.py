@@ -121,9 +121,15 @@ def test_report_progress_and_schedule_files(tiny_run):
     assert text.count("PASS") == 2 and "FAIL" not in text
 
 
-def test_profile_writes_a_jax_profiler_trace(tiny_run):
-    profile = next(p for p in tiny_run[0].files if p.endswith("profile"))
+def test_profile_writes_a_jax_profiler_trace_and_times_every_action_from_it(tiny_run):
+    result = tiny_run[0]
+    profile = next(p for p in result.files if p.endswith("profile"))
     assert list(pathlib.Path(profile).rglob("*.xplane.pb"))
+    times = result.action_times
+    assert times is not None and times.steps == 2
+    ran = {scope for scopes in times.seconds.values() for scope, sec in scopes.items() if sec > 0}
+    assert set(times.runs) <= ran, (times.runs, ran)  # every action of the schedule was seen
+    assert "time per action in the 2 profiled steps" in summary(result)
 
 
 def test_cli_demo_passes_flags_prints_report_progress_and_exits_1_on_fail(

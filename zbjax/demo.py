@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from zbjax.data import CharTokenizer, batch_at, synthetic_text
 from zbjax.errors import PipelineError
 from zbjax.pipeline import TWO_STAGES_PER_DEVICE
 from zbjax.pipeline import pipeline as make_pipeline
+from zbjax.trace import ActionTimes, action_times
 
 if TYPE_CHECKING:  # optax is imported where it is used: building the CLI parser stays fast
     import optax
@@ -138,6 +140,7 @@ class DemoResult:
     notes: tuple[str, ...]
     phase_seconds: tuple[tuple[str, float], ...]  # where the wall time went
     wall_seconds: float
+    action_times: ActionTimes | None = None  # per action and device, from the profiled steps
 
     @property
     def loss_decreased(self) -> bool:
@@ -471,6 +474,15 @@ def run_demo(
             )
 
     phases.append(("steps", sum(seconds)))
+    traced = None
+    if config.profile_dir is not None:
+        traced = action_times(
+            config.profile_dir,
+            step_fn.as_text(),
+            profile_last - profile_start + 1,
+            pipe.schedule,
+            statistics.median(seconds[profile_start : profile_last + 1]),
+        )
     tick = time.perf_counter()
     reference_losses, reference_final, (ref_loss, ref_grads) = _reference_run(
         loss_fn, params, batches, config.steps if config.check_final else 1, optimizer
@@ -495,6 +507,7 @@ def run_demo(
         notes=tuple(notes),
         phase_seconds=tuple(phases),
         wall_seconds=time.perf_counter() - started,
+        action_times=traced,
     )
 
 
@@ -582,6 +595,13 @@ def summary(result: DemoResult) -> str:
             f"{final.loss_rel_diff:.1e}, tolerance {FINAL_RTOL:g}); params max abs diff "
             f"{final.param_max_abs_diff:.1e} ... {'PASS' if final.passed else 'FAIL'}"
         )
+    if result.action_times is not None:
+        lines += [
+            f"time per action in the {result.action_times.steps} profiled steps (summed from "
+            "the trace's ops by the action's named scope; exchanges include waiting for the "
+            "other devices; step: the profiled steps' median wall time):",
+            result.action_times.table(),
+        ]
     lines += [f"wrote {path}" for path in result.files]
     lines += list(result.notes)
     return "\n".join(lines)

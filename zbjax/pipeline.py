@@ -42,8 +42,12 @@ Choices a careful user would want to know:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import statistics
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +71,7 @@ from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
+from zbjax.trace import ActionTimes, action_times
 
 #: Schedules that put two stages on every device.
 TWO_STAGES_PER_DEVICE = ("zb-v", "interleaved-1f1b")
@@ -266,6 +271,52 @@ class Pipeline:
             self._check_buffers(buffers, built)
             return built.step_with_pools.lower(params, batch, key, buffers)
         return built.step.lower(params, batch, key)
+
+    def profile(
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array | None = None,
+        *,
+        steps: int = 3,
+        trace_dir: str | None = None,
+    ) -> ActionTimes:
+        """Returns each action's time in the compiled step, per device, read from a
+        ``jax.profiler`` trace of ``steps`` steps (``zbjax.trace``).
+
+        The step runs as ``value_and_grad(..., buffers=)`` runs it, compiled once, warmed up,
+        timed untraced ``steps`` times (``step_seconds`` is the median), then traced ``steps``
+        times into ``trace_dir`` (kept there; a temporary directory when None).
+        ``.table()`` prints it; ``.per_run("W s1")`` is the time one W of stage 1 took, to set
+        beside ``measure_costs``, which times each action alone.
+        """
+        if steps < 1:
+            raise PipelineError(f"steps={steps}; it must be at least 1")
+        built = self._get(params, batch, key)
+        held = [_new_buffers(built)]
+        compiled = built.step_with_pools.lower(params, batch, key, held[0]).compile()
+
+        def run():
+            *_, held[0] = jax.block_until_ready(compiled(params, batch, key, held[0]))
+
+        run()
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - began)
+        with contextlib.ExitStack() as stack:
+            where = trace_dir or stack.enter_context(tempfile.TemporaryDirectory())
+            with jax.profiler.trace(where):
+                for _ in range(steps):
+                    run()
+            return action_times(
+                where,
+                compiled.as_text(),
+                steps,
+                built.lowering.schedule,
+                statistics.median(times),
+            )
 
     def _check_buffers(self, buffers: Any, built: _Built) -> None:
         if not isinstance(buffers, Buffers):

@@ -1,0 +1,124 @@
+"""Per-action times of the compiled step from a jax.profiler trace (zbjax.trace)."""
+
+import gzip
+import json
+import os
+
+import jax
+import pytest
+
+import zbjax
+from models import mlp
+from zbjax.trace import BETWEEN, EXCHANGES, action_runs, action_times, hlo_ops, op_seconds
+
+
+def _instr(text: str, op_name: str | None = None) -> str:
+    """Returns an HLO instruction line as XLA prints it, with its op_name metadata."""
+    return "  " + text + (f', metadata={{op_name="{op_name}"}}' if op_name else "")
+
+
+HLO = "\n".join(
+    [
+        "HloModule jit_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}",
+        "",
+        "%branch (p: f32[4]) -> f32[4] {",
+        _instr("%p = f32[4]{0} parameter(0)"),
+        _instr(
+            "ROOT %fusion.1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%f1",
+            "jit(step)/shard_map/while/body/F s1/tanh",
+        ),
+        "}",
+        "",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        _instr("%a = f32[4]{0} parameter(0)"),
+        _instr("%dot.2 = f32[4]{0} dot(%a, %a)", "jit(step)/W s0/dot_general"),
+        _instr("%cp = f32[4]{0} collective-permute(%dot.2), source_target_pairs={{0,1}}"),
+        _instr(
+            "%cond = (f32[4]{0}, s32[]) conditional(%i, %a, %a), "
+            "branch_computations={%branch, %branch}",
+            "jit(step)/F s1/cond",
+        ),
+        _instr("ROOT %copy.3 = f32[4]{0} copy(%cp)", "jit(step)/while/body/dynamic_slice"),
+        "}",
+    ]
+)
+
+
+def _event(op, dur, device=None, module="jit_step", pid=1):
+    args = {"hlo_op": op, "hlo_module": module}
+    if device is not None:
+        args["device_ordinal"] = str(device)
+    return {"ph": "X", "pid": pid, "tid": 7, "name": op, "dur": dur, "args": args}
+
+
+def test_hlo_ops_place_every_instruction_in_its_action_exchanges_or_between():
+    ops = hlo_ops(HLO)
+    assert ops.module == "jit_step"
+    assert ops.scope["fusion.1"] == "F s1" and ops.scope["dot.2"] == "W s0"
+    assert ops.scope["cp"] == EXCHANGES and ops.scope["copy.3"] == BETWEEN
+    assert ops.control == {"cond"}  # a tuple-shaped conditional: its events span its branch's
+    with pytest.raises(zbjax.PipelineError, match="HloModule"):
+        hlo_ops("not hlo")
+
+
+def test_op_seconds_add_up_events_per_device_and_scope_leaving_control_and_other_modules():
+    events = [
+        _event("fusion.1", 100.0, device=1),
+        _event("fusion.1", 50.0, device=1),
+        _event("cond", 1000.0, device=1),  # contains fusion.1: not counted again
+        _event("dot.2", 20.0, device=0),
+        _event("cp", 5.0, device=0),
+        _event("copy.3", 2.0, device=0),
+        _event("dot.2", 999.0, device=0, module="jit_update"),  # another program's op
+        # A GPU-style event: no device_ordinal, the device read from its process's name.
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:3"}},
+        _event("dot.2", 30.0, pid=9),
+    ]
+    got = op_seconds(events, hlo_ops(HLO))
+    want = {
+        1: {"F s1": 150e-6},
+        0: {"W s0": 20e-6, EXCHANGES: 5e-6, BETWEEN: 2e-6},
+        3: {"W s0": 30e-6},
+    }
+    assert got.keys() == want.keys()
+    for device, scopes in want.items():
+        assert got[device] == pytest.approx(scopes)
+
+
+def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
+    (tmp_path / "old").mkdir()
+    for name, dur in (("old/a.trace.json.gz", 999.0), ("b.trace.json.gz", 40.0)):
+        with gzip.open(tmp_path / name, "wt") as f:
+            json.dump({"traceEvents": [_event("dot.2", dur, device=0)]}, f)
+    os.utime(tmp_path / "old" / "a.trace.json.gz", (1, 1))  # older than b
+    schedule = zbjax.schedules.build("zb-h1", 2, 2)
+    times = action_times(tmp_path, HLO, steps=2, schedule=schedule)
+    assert list(times.seconds) == [0] and times.seconds[0] == pytest.approx({"W s0": 20e-6})
+    assert times.runs == {"F s0": 2, "B s0": 2, "W s0": 2, "F s1": 2, "B s1": 2, "W s1": 2}
+    assert times.per_run("W s0") == pytest.approx(10e-6)
+    with pytest.raises(zbjax.PipelineError, match="no event of action 'F s1'"):
+        times.per_run("F s1")
+    with pytest.raises(zbjax.PipelineError, match="no \\*.trace.json.gz"):
+        action_times(tmp_path / "empty", HLO, 1, schedule)
+    with pytest.raises(zbjax.PipelineError, match="no event of module"):
+        action_times(tmp_path, HLO.replace("jit_step", "jit_other"), 1, schedule)
+
+
+def test_profile_times_every_action_of_the_step_on_the_device_that_runs_it(tmp_path):
+    cfg = mlp.MLPConfig(in_dim=16, width=32, depth=4, out_dim=8, stage_boundaries=(1,))
+    params = mlp.init_params(jax.random.key(0), cfg)
+    batch = mlp.make_batch(jax.random.key(1), cfg, 16)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(mlp.make_loss_fn(cfg), mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    times = pipe.profile(params, batch, steps=1, trace_dir=str(tmp_path))
+    assert list(tmp_path.rglob("*.trace.json.gz"))  # kept where asked
+    assert times.runs == action_runs(pipe.schedule)
+    for scope in times.runs:
+        stage = int(scope.split(" s")[1])
+        device = jax.devices()[pipe.schedule.placement[stage]].id
+        assert times.seconds[device][scope] > 0, (scope, times.seconds)
+        assert times.per_run(scope, device) > 0
+    assert times.step_seconds > 0
+    assert "device 0: actions" in times.table()
+    with pytest.raises(zbjax.PipelineError, match="steps=0"):
+        pipe.profile(params, batch, steps=0)

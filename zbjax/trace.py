@@ -1,0 +1,229 @@
+"""Time per action of the compiled step, read from a ``jax.profiler`` trace.
+
+The lowering runs every action inside a ``jax.named_scope`` named by its kind and stage
+(``"F s1"``, ``"B s1"``, ``"W s0"``, ``"BW s0"``), and XLA keeps the scope in the metadata
+(``op_name``) of every HLO instruction the action compiles to. A ``jax.profiler`` trace records
+one event per executed instruction (on XLA:CPU, per thunk, with its ``hlo_op``, ``hlo_module``
+and ``device_ordinal``; on GPUs, per kernel on a stream line of its device). Adding the events'
+durations up by the scope of their instruction gives each action's time on each device in the
+real step, next to the time the step spends in its exchanges (collectives) and between actions
+(the tick loop: slot bookkeeping, branch selection).
+
+Events of control-flow instructions (``while``, ``conditional``, ``call``) span the events of
+the instructions they run, so they are not counted. On GPUs, XLA may run several instructions
+as one command buffer (a CUDA graph), whose kernels carry the command buffer's name; such time
+is attributed to the command buffer's own scope, usually none (``XLA_FLAGS=
+--xla_gpu_enable_command_buffer=`` turns command buffers off for a finer profile).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zbjax.errors import PipelineError
+from zbjax.schedules.ir import Schedule
+
+#: An action's named scope as a component of an instruction's ``op_name`` path.
+ACTION_SCOPE = re.compile(r"(?:^|/)((?:F|B|W|BW) s\d+)(?=/|$)")
+#: The bucket of instructions outside any action that move data between devices.
+EXCHANGES = "exchanges"
+#: The bucket of every other instruction outside the actions (the tick loop's own work).
+BETWEEN = "between actions"
+#: Opcodes whose events contain the events of the instructions they run.
+CONTROL_OPCODES = frozenset({"while", "conditional", "call"})
+_COLLECTIVE = re.compile(
+    r"^(collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|send|recv)"
+)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
+_DEVICE_PROCESS = re.compile(r"/device:\w+:(\d+)")
+
+
+@dataclass(frozen=True)
+class HloOps:
+    """Where the instructions of one compiled module belong.
+
+    ``scope[name]`` is the action scope (``"F s1"``) of instruction ``name``, or ``EXCHANGES``
+    or ``BETWEEN``; ``control`` holds the control-flow instructions, whose events are not
+    counted."""
+
+    module: str
+    scope: Mapping[str, str]
+    control: frozenset[str]
+
+
+def _opcode(rest: str) -> str:
+    """Returns the opcode of an instruction from the text after its ``=`` (shape, opcode,
+    operands...); a tuple shape is skipped by its parentheses."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                rest = rest[i + 1 :]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    return rest.strip().split("(", 1)[0]
+
+
+def hlo_ops(hlo_text: str) -> HloOps:
+    """Returns where each instruction of the compiled module ``hlo_text`` (``Compiled.as_text()``)
+    belongs, from its opcode and its ``op_name`` metadata."""
+    module = _MODULE.search(hlo_text)
+    if module is None:
+        raise PipelineError(
+            "the text is not a compiled HLO module (no 'HloModule' line); pass "
+            "compiled.as_text() of the step that was traced"
+        )
+    scope: dict[str, str] = {}
+    control: set[str] = set()
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        name, rest = m.groups()
+        opcode = _opcode(rest)
+        if opcode in CONTROL_OPCODES:
+            control.add(name)
+        op_name = _OP_NAME.search(rest)
+        scopes = ACTION_SCOPE.findall(op_name.group(1)) if op_name else []
+        if scopes:
+            scope[name] = scopes[-1]
+        elif _COLLECTIVE.match(opcode):
+            scope[name] = EXCHANGES
+        else:
+            scope[name] = BETWEEN
+    return HloOps(module.group(1), scope, frozenset(control))
+
+
+def trace_events(trace_dir: str | Path) -> list[dict[str, Any]]:
+    """Returns the events of the newest ``*.trace.json.gz`` that ``jax.profiler`` wrote under
+    ``trace_dir``."""
+    paths = sorted(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not paths:
+        raise PipelineError(
+            f"no *.trace.json.gz under {str(trace_dir)!r}; pass the directory given to "
+            "jax.profiler.trace (or start_trace) after the trace stopped"
+        )
+    with gzip.open(paths[-1]) as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, dict[str, float]]:
+    """Returns the seconds the traced events of ``ops``' module spent per device and scope
+    (action scope, ``EXCHANGES`` or ``BETWEEN``), control-flow events left out."""
+    events = list(events)
+    devices = {
+        e["pid"]: int(m.group(1))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+        for m in [_DEVICE_PROCESS.search(str((e.get("args") or {}).get("name", "")))]
+        if m is not None
+    }
+    out: dict[int, dict[str, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float)
+    )
+    for e in events:
+        args = e.get("args") or {}
+        op = args.get("hlo_op")
+        if e.get("ph") != "X" or op is None or op in ops.control:
+            continue
+        if args.get("hlo_module", ops.module) != ops.module or op not in ops.scope:
+            continue
+        ordinal = args.get("device_ordinal")
+        device = devices.get(e.get("pid"), 0) if ordinal is None else int(ordinal)
+        out[device][ops.scope[op]] += float(e.get("dur", 0.0)) * 1e-6
+    return {d: dict(s) for d, s in sorted(out.items())}
+
+
+@dataclass(frozen=True)
+class ActionTimes:
+    """Each action's time in the real step, per device, from a ``jax.profiler`` trace.
+
+    ``seconds[device][scope]``: seconds per step on that device (XLA's device ordinal) in the
+    action scope (``"F s1"``), in ``EXCHANGES`` or ``BETWEEN``; ``runs[scope]``: how often
+    the schedule runs that action per step on its device (m for most); ``step_seconds``: the
+    step's wall time, measured untraced, when known."""
+
+    steps: int
+    seconds: Mapping[int, Mapping[str, float]]
+    runs: Mapping[str, int]
+    step_seconds: float | None = None
+
+    def per_run(self, scope: str, device: int | None = None) -> float:
+        """Returns the seconds one run of action ``scope`` took, averaged over its runs (on
+        ``device``, else on the first device that ran it)."""
+        if scope not in self.runs:
+            raise PipelineError(f"no action {scope!r}; the schedule runs {sorted(self.runs)}")
+        ran = [d for d, s in self.seconds.items() if scope in s]
+        if not ran:
+            raise PipelineError(f"the trace holds no event of action {scope!r}")
+        d = ran[0] if device is None else device
+        return self.seconds[d][scope] / self.runs[scope]
+
+    def table(self) -> str:
+        """Returns a text table: per action and device, runs per step and milliseconds per run
+        and per step; then per device, the step's time in actions, exchanges and between
+        actions."""
+        lines = ["action  device  runs/step    ms/run   ms/step"]
+        for device, scopes in self.seconds.items():
+            for scope in sorted((s for s in scopes if s in self.runs), key=_scope_order):
+                runs = self.runs[scope]
+                lines.append(
+                    f"{scope:<7} {device:>6} {runs:>10} {scopes[scope] / runs * 1e3:>9.3f} "
+                    f"{scopes[scope] * 1e3:>9.3f}"
+                )
+        for device, scopes in self.seconds.items():
+            actions = sum(v for s, v in scopes.items() if s in self.runs)
+            step = "" if self.step_seconds is None else f"; step {self.step_seconds * 1e3:.3f}"
+            lines.append(
+                f"device {device}: actions {actions * 1e3:.3f}, {EXCHANGES} "
+                f"{scopes.get(EXCHANGES, 0.0) * 1e3:.3f}, {BETWEEN} "
+                f"{scopes.get(BETWEEN, 0.0) * 1e3:.3f} ms per step{step}"
+            )
+        return "\n".join(lines)
+
+
+def _scope_order(scope: str) -> tuple[int, int]:
+    """Orders action scopes by stage, then F, B, W, BW."""
+    kind, stage = scope.split(" s")
+    return int(stage), ("F", "B", "W", "BW").index(kind)
+
+
+def action_runs(schedule: Schedule) -> dict[str, int]:
+    """Returns how often each action scope runs per step on its device under ``schedule``."""
+    return dict(
+        collections.Counter(f"{a.kind} s{a.stage}" for acts in schedule.actions for a in acts)
+    )
+
+
+def action_times(
+    trace_dir: str | Path,
+    hlo_text: str,
+    steps: int,
+    schedule: Schedule,
+    step_seconds: float | None = None,
+) -> ActionTimes:
+    """Returns the ``ActionTimes`` of ``steps`` steps of the compiled step ``hlo_text`` (its
+    ``as_text()``) traced into ``trace_dir`` under ``schedule`` (the lowering's, as run)."""
+    if steps < 1:
+        raise PipelineError(f"steps={steps}; it must be at least 1")
+    ops = hlo_ops(hlo_text)
+    total = op_seconds(trace_events(trace_dir), ops)
+    if not total:
+        raise PipelineError(
+            f"the trace under {str(trace_dir)!r} holds no event of module {ops.module!r}; "
+            "trace the steps of the very executable whose text was passed"
+        )
+    seconds = {d: {s: v / steps for s, v in scopes.items()} for d, scopes in total.items()}
+    return ActionTimes(steps, seconds, action_runs(schedule), step_seconds)
