@@ -22,6 +22,7 @@ run benchmarks/memory.py
 run benchmarks/compile_time.py
 run benchmarks/step_time.py
 run benchmarks/buffers.py
+run benchmarks/in_context.py
 run benchmarks/multiprocess.py
 run benchmarks/overlap.py
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then

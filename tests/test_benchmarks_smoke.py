@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import buffers  # noqa: E402
 import bw_split  # noqa: E402
 import gpu  # noqa: E402
+import in_context  # noqa: E402
 import lockstep  # noqa: E402
 import memory  # noqa: E402
 import multiprocess  # noqa: E402
@@ -78,6 +79,17 @@ def test_buffers_times_every_variant_of_both_models_and_finds_the_pools_donated(
         assert all(len(t) == 2 and min(t) > 0 for t in row.times.values())
         assert row.alias_donated == row.pool_bytes > 0
     assert buffers.table(rows).count("\n") == 3 * len(rows) + 1
+
+
+def test_in_context_profiles_every_variant_beside_the_costs_measured_alone():
+    costs, results = in_context.measure(step_time.SMOKE_SETUP, repeats=2, steps=1)
+    assert [r.name for r in results] == [name for name, _, _ in in_context.VARIANTS]
+    assert all(len(r.profiles) == 2 for r in results)
+    actions = in_context.action_table(costs, results)
+    assert "| zb-h2, B and W split | W s1 | 1 |" in actions  # stage 1 kept split
+    assert "| zb-h2, as planned | F s1 | 1 |" in actions and "| 1f1b | BW s0 | 0 |" in actions
+    assert in_context.device_table(results).count("\n") == 2 + 3 * 2 - 1
+    assert in_context.split_line(costs, results)
 
 
 def test_slot_writes_times_every_action_of_every_stage_both_ways():

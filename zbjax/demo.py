@@ -476,11 +476,14 @@ def run_demo(
     phases.append(("steps", sum(seconds)))
     traced = None
     if config.profile_dir is not None:
+        # The steps after the first, which compiled nothing, and not traced.
+        untraced = [t for i, t in enumerate(seconds) if i > profile_last]
         traced = action_times(
             config.profile_dir,
             step_fn.as_text(),
             profile_last - profile_start + 1,
             pipe.schedule,
+            statistics.median(untraced) if untraced else None,
             statistics.median(seconds[profile_start : profile_last + 1]),
         )
     tick = time.perf_counter()
@@ -599,7 +602,8 @@ def summary(result: DemoResult) -> str:
         lines += [
             f"time per action in the {result.action_times.steps} profiled steps (summed from "
             "the trace's ops by the action's named scope; exchanges include waiting for the "
-            "other devices; step: the profiled steps' median wall time):",
+            "other devices; step: the median wall time of the steps after the profiled ones, "
+            "traced step: of the profiled ones):",
             result.action_times.table(),
         ]
     lines += [f"wrote {path}" for path in result.files]

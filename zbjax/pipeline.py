@@ -286,7 +286,8 @@ class Pipeline:
 
         The step runs as ``value_and_grad(..., buffers=)`` runs it, compiled once, warmed up,
         timed untraced ``steps`` times (``step_seconds`` is the median), then traced ``steps``
-        times into ``trace_dir`` (kept there; a temporary directory when None).
+        times into ``trace_dir`` (kept there; a temporary directory when None;
+        ``traced_step_seconds`` is their median).
         ``.table()`` prints it; ``.per_run("W s1")`` is the time one W of stage 1 took, to set
         beside ``measure_costs``, which times each action alone.
         """
@@ -299,23 +300,24 @@ class Pipeline:
         def run():
             *_, held[0] = jax.block_until_ready(compiled(params, batch, key, held[0]))
 
-        run()
-        times = []
-        for _ in range(steps):
+        def timed() -> float:
             began = time.perf_counter()
             run()
-            times.append(time.perf_counter() - began)
+            return time.perf_counter() - began
+
+        run()
+        untraced = [timed() for _ in range(steps)]
         with contextlib.ExitStack() as stack:
             where = trace_dir or stack.enter_context(tempfile.TemporaryDirectory())
             with jax.profiler.trace(where):
-                for _ in range(steps):
-                    run()
+                traced = [timed() for _ in range(steps)]
             return action_times(
                 where,
                 compiled.as_text(),
                 steps,
                 built.lowering.schedule,
-                statistics.median(times),
+                statistics.median(untraced),
+                statistics.median(traced),
             )
 
     def _check_buffers(self, buffers: Any, built: _Built) -> None:

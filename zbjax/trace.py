@@ -153,12 +153,15 @@ class ActionTimes:
     ``seconds[device][scope]``: seconds per step on that device (XLA's device ordinal) in the
     action scope (``"F s1"``), in ``EXCHANGES`` or ``BETWEEN``; ``runs[scope]``: how often
     the schedule runs that action per step on its device (m for most); ``step_seconds``: the
-    step's wall time, measured untraced, when known."""
+    step's wall time untraced, ``traced_step_seconds`` traced (tracing slows a step), when
+    known. The ops' events do not cover the whole step: the executor's own time between ops
+    and the step's launch are in no event."""
 
     steps: int
     seconds: Mapping[int, Mapping[str, float]]
     runs: Mapping[str, int]
     step_seconds: float | None = None
+    traced_step_seconds: float | None = None
 
     def per_run(self, scope: str, device: int | None = None) -> float:
         """Returns the seconds one run of action ``scope`` took, averaged over its runs (on
@@ -185,7 +188,14 @@ class ActionTimes:
                 )
         for device, scopes in self.seconds.items():
             actions = sum(v for s, v in scopes.items() if s in self.runs)
-            step = "" if self.step_seconds is None else f"; step {self.step_seconds * 1e3:.3f}"
+            step = "".join(
+                f"; {what} {value * 1e3:.3f}"
+                for what, value in (
+                    ("step", self.step_seconds),
+                    ("traced step", self.traced_step_seconds),
+                )
+                if value is not None
+            )
             lines.append(
                 f"device {device}: actions {actions * 1e3:.3f}, {EXCHANGES} "
                 f"{scopes.get(EXCHANGES, 0.0) * 1e3:.3f}, {BETWEEN} "
@@ -213,9 +223,12 @@ def action_times(
     steps: int,
     schedule: Schedule,
     step_seconds: float | None = None,
+    traced_step_seconds: float | None = None,
 ) -> ActionTimes:
     """Returns the ``ActionTimes`` of ``steps`` steps of the compiled step ``hlo_text`` (its
-    ``as_text()``) traced into ``trace_dir`` under ``schedule`` (the lowering's, as run)."""
+    ``as_text()``) traced into ``trace_dir`` under ``schedule`` (the lowering's, as run);
+    ``step_seconds`` and ``traced_step_seconds``: the step's wall times, untraced and traced,
+    when known."""
     if steps < 1:
         raise PipelineError(f"steps={steps}; it must be at least 1")
     ops = hlo_ops(hlo_text)
@@ -226,4 +239,4 @@ def action_times(
             "trace the steps of the very executable whose text was passed"
         )
     seconds = {d: {s: v / steps for s, v in scopes.items()} for d, scopes in total.items()}
-    return ActionTimes(steps, seconds, action_runs(schedule), step_seconds)
+    return ActionTimes(steps, seconds, action_runs(schedule), step_seconds, traced_step_seconds)
