@@ -70,9 +70,13 @@ def test_op_seconds_add_up_events_per_device_and_scope_leaving_control_and_other
         _event("cp", 5.0, device=0),
         _event("copy.3", 2.0, device=0),
         _event("dot.2", 999.0, device=0, module="jit_update"),  # another program's op
-        # A GPU-style event: no device_ordinal, the device read from its process's name.
+        # GPU-style events: no device_ordinal, the device read from its process's name; only
+        # the kernels on a stream's line count, not the line that summarises them again.
         {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:3"}},
+        {"ph": "M", "pid": 9, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13"}},
+        {"ph": "M", "pid": 9, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
         _event("dot.2", 30.0, pid=9),
+        {**_event("dot.2", 30.0, pid=9), "tid": 8},
     ]
     got = op_seconds(events, hlo_ops(HLO))
     want = {

@@ -130,6 +130,16 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
         for m in [_DEVICE_PROCESS.search(str((e.get("args") or {}).get("name", "")))]
         if m is not None
     }
+    # On a device's own lines, kernels sit on its streams' lines; the other lines ("XLA Ops",
+    # "XLA Modules") summarise the same time again.
+    streams = {
+        (e["pid"], e.get("tid"))
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and e.get("pid") in devices
+        and "Stream" in str((e.get("args") or {}).get("name", ""))
+    }
     out: dict[int, dict[str, float]] = collections.defaultdict(
         lambda: collections.defaultdict(float)
     )
@@ -139,6 +149,8 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
         if e.get("ph") != "X" or op is None or op in ops.control:
             continue
         if args.get("hlo_module", ops.module) != ops.module or op not in ops.scope:
+            continue
+        if e.get("pid") in devices and (e["pid"], e.get("tid")) not in streams:
             continue
         ordinal = args.get("device_ordinal")
         device = devices.get(e.get("pid"), 0) if ordinal is None else int(ordinal)
