@@ -31,7 +31,7 @@ from step_time import NUM_DEVICES, SPLIT, TARGET, Setup, make_mesh, mlp_config, 
 import zbjax
 from models import mlp
 from zbjax.schedules import Costs
-from zbjax.trace import BETWEEN, EXCHANGES, ActionTimes
+from zbjax.trace import BETWEEN, EXCHANGES, ActionTimes, scope_order
 
 COMMAND = "python benchmarks/in_context.py"
 MICROBATCHES = 4
@@ -42,7 +42,7 @@ VARIANTS = (("1f1b", "1f1b", True), (PLANNED, TARGET, True), (SPLIT, TARGET, Fal
 
 @dataclass(frozen=True)
 class Result:
-    """A variant's profiles over the repeats, and the costs measured alone."""
+    """A variant's name and its profiles, one per repeat."""
 
     name: str
     profiles: list[ActionTimes]
@@ -81,10 +81,6 @@ def measure(setup: Setup, repeats: int, steps: int) -> tuple[Costs, list[Result]
     return costs, list(results.values())
 
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def action_table(costs: Costs, results: Sequence[Result]) -> str:
     """Returns the markdown table of every action per variant: time per run in context
     (median over repeats) against alone."""
@@ -95,24 +91,14 @@ def action_table(costs: Costs, results: Sequence[Result]) -> str:
     for result in results:
         first = result.profiles[0]
         for device, scopes in first.seconds.items():
-            for scope in (s for s in _ordered(scopes) if s in first.runs):
-                ctx = _median([p.per_run(scope, device) for p in result.profiles])
+            for scope in sorted((s for s in scopes if s in first.runs), key=scope_order):
+                ctx = statistics.median([p.per_run(scope, device) for p in result.profiles])
                 alone = kind_cost(costs, scope)
                 lines.append(
                     f"| {result.name} | {scope} | {device} | {ctx * 1e3:.2f} | "
                     f"{alone * 1e3:.2f} | {ctx / alone:.2f} |"
                 )
     return "\n".join(lines)
-
-
-def _ordered(scopes: Sequence[str]) -> list[str]:
-    def key(scope: str) -> tuple[int, int]:
-        if " s" not in scope:
-            return (1 << 30, 0)
-        kind, stage = scope.split(" s")
-        return int(stage), ("F", "B", "W", "BW").index(kind)
-
-    return sorted(scopes, key=key)
 
 
 def device_table(results: Sequence[Result]) -> str:
@@ -126,15 +112,15 @@ def device_table(results: Sequence[Result]) -> str:
     ]
     for result in results:
         profiles = result.profiles
-        step = _median([p.step_seconds for p in profiles])
-        traced = _median([p.traced_step_seconds for p in profiles])
+        step = statistics.median([p.step_seconds for p in profiles])
+        traced = statistics.median([p.traced_step_seconds for p in profiles])
         for device in profiles[0].seconds:
             parts = [
-                _median(
+                statistics.median(
                     [sum(v for s, v in p.seconds[device].items() if s in p.runs) for p in profiles]
                 ),
-                _median([p.seconds[device].get(EXCHANGES, 0.0) for p in profiles]),
-                _median([p.seconds[device].get(BETWEEN, 0.0) for p in profiles]),
+                statistics.median([p.seconds[device].get(EXCHANGES, 0.0) for p in profiles]),
+                statistics.median([p.seconds[device].get(BETWEEN, 0.0) for p in profiles]),
             ]
             lines.append(
                 f"| {result.name} | {device} | {step * 1e3:.1f} | {traced * 1e3:.1f} | "
@@ -153,8 +139,8 @@ def split_line(costs: Costs, results: Sequence[Result]) -> str:
         "BW s1" in p.runs for p in planned
     ):
         return "Stage 1 did not run split in one variant and fused in the other."
-    bw_split = _median([p.per_run("B s1") + p.per_run("W s1") for p in split])
-    bw_fused = _median([p.per_run("BW s1") for p in planned])
+    bw_split = statistics.median([p.per_run("B s1") + p.per_run("W s1") for p in split])
+    bw_fused = statistics.median([p.per_run("BW s1") for p in planned])
     alone = (costs.b[1] + costs.w[1]) / costs.bw[1]
     return (
         f"Stage 1's backward in context: B + W {bw_split * 1e3:.2f} ms (kept split) against "

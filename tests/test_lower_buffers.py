@@ -243,11 +243,16 @@ def test_the_step_allocates_the_kept_pool_the_tables_count(monkeypatch):
     assert pool_bytes == low.slot_pool_bytes()
 
 
-def test_kept_buffers_give_the_same_step_twice_and_under_jit():
+def _mlp_on_two_devices():
+    """Returns (params, batch of 16 rows, 2-device mesh, loss_fn) of the MLP ``CFG``."""
     params = mlp.init_params(jax.random.key(0), CFG)
     batch = mlp.make_batch(jax.random.key(1), CFG, 16)
     mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
-    loss_fn = mlp.make_loss_fn(CFG)
+    return params, batch, mesh, mlp.make_loss_fn(CFG)
+
+
+def test_kept_buffers_give_the_same_step_twice_and_under_jit():
+    params, batch, mesh, loss_fn = _mlp_on_two_devices()
 
     def make(keep):
         return zbjax.pipeline(
@@ -291,10 +296,7 @@ def test_w_stash_written_over_b_residuals_gives_value_and_grad(costs, monkeypatc
 
 
 def test_buffers_donated_to_a_user_jit_run_the_step_in_place():
-    params = mlp.init_params(jax.random.key(0), CFG)
-    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
-    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
-    loss_fn = mlp.make_loss_fn(CFG)
+    params, batch, mesh, loss_fn = _mlp_on_two_devices()
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=2)
     staged = pipe.stage(params, batch)
     buffers = pipe.init_buffers(staged, batch)
@@ -329,10 +331,7 @@ def test_buffers_donated_to_a_user_jit_run_the_step_in_place():
 
 
 def test_buffers_outside_jit_and_ahead_of_time_and_bad_buffers():
-    params = mlp.init_params(jax.random.key(0), CFG)
-    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
-    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
-    loss_fn = mlp.make_loss_fn(CFG)
+    params, batch, mesh, loss_fn = _mlp_on_two_devices()
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
     want_loss, _ = jax.value_and_grad(loss_fn)(params, batch)
     buffers = pipe.init_buffers(params, batch)

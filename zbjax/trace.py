@@ -192,7 +192,7 @@ class ActionTimes:
         actions."""
         lines = ["action  device  runs/step    ms/run   ms/step"]
         for device, scopes in self.seconds.items():
-            for scope in sorted((s for s in scopes if s in self.runs), key=_scope_order):
+            for scope in sorted((s for s in scopes if s in self.runs), key=scope_order):
                 runs = self.runs[scope]
                 lines.append(
                     f"{scope:<7} {device:>6} {runs:>10} {scopes[scope] / runs * 1e3:>9.3f} "
@@ -216,8 +216,8 @@ class ActionTimes:
         return "\n".join(lines)
 
 
-def _scope_order(scope: str) -> tuple[int, int]:
-    """Orders action scopes by stage, then F, B, W, BW."""
+def scope_order(scope: str) -> tuple[int, int]:
+    """Returns the sort key of an action scope (``"W s1"``): by stage, then F, B, W, BW."""
     kind, stage = scope.split(" s")
     return int(stage), ("F", "B", "W", "BW").index(kind)
 
