@@ -126,3 +126,9 @@ def test_profile_times_every_action_of_the_step_on_the_device_that_runs_it(tmp_p
     assert "device 0: actions" in times.table()
     with pytest.raises(zbjax.PipelineError, match="steps=0"):
         pipe.profile(params, batch, steps=0)
+    jax.profiler.start_trace(str(tmp_path / "users"))
+    try:
+        with pytest.raises(zbjax.PipelineError, match="already running"):
+            pipe.profile(params, batch, steps=1)
+    finally:
+        jax.profiler.stop_trace()

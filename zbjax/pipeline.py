@@ -309,8 +309,18 @@ class Pipeline:
         untraced = [timed() for _ in range(steps)]
         with contextlib.ExitStack() as stack:
             where = trace_dir or stack.enter_context(tempfile.TemporaryDirectory())
-            with jax.profiler.trace(where):
+            try:
+                jax.profiler.start_trace(where)
+            except RuntimeError as err:
+                raise PipelineError(
+                    f"a jax.profiler trace is already running ({err}); stop it "
+                    "(jax.profiler.stop_trace()) before pipe.profile, which traces the steps "
+                    "itself"
+                ) from err
+            try:
                 traced = [timed() for _ in range(steps)]
+            finally:
+                jax.profiler.stop_trace()
             return action_times(
                 where,
                 compiled.as_text(),
