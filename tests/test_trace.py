@@ -102,6 +102,8 @@ def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
     assert times.per_run("W s0") == pytest.approx(10e-6)
     with pytest.raises(zbjax.PipelineError, match="no event of action 'F s1'"):
         times.per_run("F s1")
+    with pytest.raises(zbjax.PipelineError, match="device 1 ran no 'W s0'; devices \\[0\\] did"):
+        times.per_run("W s0", device=1)
     with pytest.raises(zbjax.PipelineError, match="no \\*.trace.json.gz"):
         action_times(tmp_path / "empty", HLO, 1, schedule)
     with pytest.raises(zbjax.PipelineError, match="no event of module"):

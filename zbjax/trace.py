@@ -183,8 +183,9 @@ class ActionTimes:
         ran = [d for d, s in self.seconds.items() if scope in s]
         if not ran:
             raise PipelineError(f"the trace holds no event of action {scope!r}")
-        d = ran[0] if device is None else device
-        return self.seconds[d][scope] / self.runs[scope]
+        if device is not None and device not in ran:
+            raise PipelineError(f"device {device} ran no {scope!r}; devices {ran} did")
+        return self.seconds[ran[0] if device is None else device][scope] / self.runs[scope]
 
     def table(self) -> str:
         """Returns a text table: per action and device, runs per step and milliseconds per run
