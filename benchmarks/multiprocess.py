@@ -42,6 +42,10 @@ SPLIT = "zb-h2, B and W split"
 VARIANTS = (*SCHEDULE_NAMES, *UNPACKED, STASH_SLOTS, SPLIT)
 NUM_PROCESSES = 2
 TIMEOUT_S = 900
+#: Schedules profiled in context (``pipe.profile``) at the first microbatch count, as planned.
+PROFILED = ("1f1b", "zb-h2")
+#: Steps each profile times untraced and then traces.
+PROFILE_STEPS = 5
 
 
 def worker(
@@ -149,8 +153,70 @@ def worker(
             }
             for name in VARIANTS
         }
+    result["profiled"] = profile_in_context(
+        loss_fn, params, cfg, setup, mesh, costs, microbatches[0], 1 if smoke else PROFILE_STEPS
+    )
     if process_id == 0:
         Path(out).write_text(json.dumps(result))
+
+
+def profile_in_context(loss_fn, params, cfg, setup, mesh, costs, m: int, steps: int) -> dict:
+    """Returns, per profiled schedule, what ``pipe.profile`` saw on each process's device:
+    the step untraced and traced, its time in actions, exchanges and between actions, and
+    every action's time per run (ms; NaN where the device ran no such action), gathered from
+    both processes (a collective: both call it)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import step_time
+
+    import zbjax
+    from models import mlp
+    from zbjax import schedules
+    from zbjax.trace import BETWEEN, EXCHANGES
+
+    scopes = [f"{k} s{s}" for s in range(NUM_PROCESSES) for k in ("F", "B", "W", "BW")]
+    batch = jax.tree.map(
+        np.asarray, mlp.make_batch(jax.random.key(1), cfg, m * setup.microbatch_rows)
+    )
+    out = {}
+    for name in PROFILED:
+        pipe = zbjax.pipeline(
+            loss_fn,
+            mesh=mesh,
+            axis_name=step_time.AXIS,
+            schedule=schedules.build(name, NUM_PROCESSES, m, num_devices=NUM_PROCESSES),
+            num_microbatches=m,
+            costs=costs,
+        )
+        times = pipe.profile(pipe.stage(params, batch), batch, steps=steps)
+        (local,) = times.seconds.values()  # this process traced its one device
+        actions = sum(v for scope, v in local.items() if scope in times.runs)
+        row = [
+            times.step_seconds,
+            times.traced_step_seconds,
+            actions,
+            local.get(EXCHANGES, 0.0),
+            local.get(BETWEEN, 0.0),
+            *(
+                local[scope] / times.runs[scope]
+                if scope in local and scope in times.runs
+                else float("nan")
+                for scope in scopes
+            ),
+        ]
+        gathered = np.asarray(multihost_utils.process_allgather(1e3 * np.array(row)))
+        out[name] = {
+            "devices": [list(map(float, r[:5])) for r in gathered],
+            "per_run": {
+                scope: float(np.nanmax(gathered[:, 5 + k]))
+                for k, scope in enumerate(scopes)
+                if not np.all(np.isnan(gathered[:, 5 + k]))
+            },
+        }
+    return out
 
 
 def launch(rounds: int, microbatches: Sequence[int], smoke: bool = False) -> dict:
@@ -229,8 +295,44 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
                 f"{lock(row):.1f} | {row['ticks']} | {row['exchanges']} | "
                 f"{stages_text(row['fused'])} |"
             )
+    lines += ["", *profiled_lines(result, microbatches[0])]
     lines += ["", f"Machine load at the end: `{machine_load()}`. Took {took:.0f} s."]
     return "\n".join(lines)
+
+
+def profiled_lines(result: dict, m: int) -> list[str]:
+    """Returns the markdown of the in-context profiles: per schedule and process, the step and
+    where its traced time went; per action, its time in the step against alone."""
+    f, b, w, bw = result["costs_ms"]
+    alone = {
+        f"{kind} s{s}": costs[s]
+        for kind, costs in (("F", f), ("B", b), ("W", w), ("BW", bw))
+        for s in range(len(f))
+    }
+    lines = [
+        f"**In context** (m = {m}; `pipe.profile` in both processes at once, {PROFILE_STEPS} "
+        "steps timed, then traced with `jax.profiler`; each action's ops summed by its named "
+        "scope, `zbjax.trace`; exchanges include waiting for the other process; medians of "
+        "the steps):",
+        "",
+        "| schedule | process | step (ms) | traced step (ms) | actions (ms) | exchanges (ms) | "
+        "between actions (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, prof in result["profiled"].items():
+        for process, row in enumerate(prof["devices"]):
+            lines.append(f"| {name} | {process} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    lines += [
+        "",
+        "| schedule | action | in the step (ms per run) | alone (ms) | in the step / alone |",
+        "|---|---|---|---|---|",
+    ]
+    for name, prof in result["profiled"].items():
+        for scope, ms in prof["per_run"].items():
+            lines.append(
+                f"| {name} | {scope} | {ms:.2f} | {alone[scope]:.2f} | {ms / alone[scope]:.2f} |"
+            )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -163,6 +163,12 @@ def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_sectio
     text = multiprocess.section(result, 1, [2], 1.0)
     rows_of_m = [line for line in text.splitlines() if line.startswith("| 2 | ")]
     assert len(rows_of_m) == len(multiprocess.VARIANTS)
+    profiled = result["profiled"]
+    assert set(profiled) == set(multiprocess.PROFILED)
+    for prof in profiled.values():  # both processes' devices, each with time in its actions
+        assert len(prof["devices"]) == 2 and all(row[2] > 0 for row in prof["devices"])
+        assert {"F s0", "F s1"} <= set(prof["per_run"])
+    assert "**In context** (m = 2" in text and "| zb-h2 | F s1 |" in text
 
 
 def test_overlap_benchmark_times_every_variant_in_two_pinned_processes():
