@@ -31,7 +31,7 @@ from step_time import NUM_DEVICES, SPLIT, TARGET, Setup, make_mesh, mlp_config, 
 import zbjax
 from models import mlp
 from zbjax.schedules import Costs
-from zbjax.trace import BETWEEN, EXCHANGES, ActionTimes, scope_order
+from zbjax.trace import BETWEEN, EXCHANGES, ActionTimes, scope_cost, scope_order
 
 COMMAND = "python benchmarks/in_context.py"
 MICROBATCHES = 4
@@ -46,13 +46,6 @@ class Result:
 
     name: str
     profiles: list[ActionTimes]
-
-
-def kind_cost(costs: Costs, scope: str) -> float:
-    """Returns the cost measured alone of the action ``scope`` ("W s1")."""
-    kind, stage = scope.split(" s")
-    values = {"F": costs.f, "B": costs.b, "W": costs.w, "BW": costs.bw}[kind]
-    return values[int(stage)]
 
 
 def measure(setup: Setup, repeats: int, steps: int) -> tuple[Costs, list[Result]]:
@@ -93,7 +86,7 @@ def action_table(costs: Costs, results: Sequence[Result]) -> str:
         for device, scopes in first.seconds.items():
             for scope in sorted((s for s in scopes if s in first.runs), key=scope_order):
                 ctx = statistics.median([p.per_run(scope, device) for p in result.profiles])
-                alone = kind_cost(costs, scope)
+                alone = scope_cost(costs, scope)
                 lines.append(
                     f"| {result.name} | {scope} | {device} | {ctx * 1e3:.2f} | "
                     f"{alone * 1e3:.2f} | {ctx / alone:.2f} |"
@@ -116,9 +109,7 @@ def device_table(results: Sequence[Result]) -> str:
         traced = statistics.median([p.traced_step_seconds for p in profiles])
         for device in profiles[0].seconds:
             parts = [
-                statistics.median(
-                    [sum(v for s, v in p.seconds[device].items() if s in p.runs) for p in profiles]
-                ),
+                statistics.median([p.action_seconds(device) for p in profiles]),
                 statistics.median([p.seconds[device].get(EXCHANGES, 0.0) for p in profiles]),
                 statistics.median([p.seconds[device].get(BETWEEN, 0.0) for p in profiles]),
             ]

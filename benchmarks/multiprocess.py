@@ -192,8 +192,8 @@ def profile_in_context(loss_fn, params, cfg, setup, mesh, costs, m: int, steps: 
             costs=costs,
         )
         times = pipe.profile(pipe.stage(params, batch), batch, steps=steps)
-        (local,) = times.seconds.values()  # this process traced its one device
-        actions = sum(v for scope, v in local.items() if scope in times.runs)
+        ((device, local),) = times.seconds.items()  # this process traced its one device
+        actions = times.action_seconds(device)
         row = [
             times.step_seconds,
             times.traced_step_seconds,
@@ -303,12 +303,11 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
 def profiled_lines(result: dict, m: int) -> list[str]:
     """Returns the markdown of the in-context profiles: per schedule and process, the step and
     where its traced time went; per action, its time in the step against alone."""
-    f, b, w, bw = result["costs_ms"]
-    alone = {
-        f"{kind} s{s}": costs[s]
-        for kind, costs in (("F", f), ("B", b), ("W", w), ("BW", bw))
-        for s in range(len(f))
-    }
+    from zbjax.schedules import Costs
+    from zbjax.trace import scope_cost
+
+    f, b, w, bw = (tuple(c) for c in result["costs_ms"])
+    costs_ms = Costs(f, b, w, bw=bw)
     lines = [
         f"**In context** (m = {m}; `pipe.profile` in both processes at once, {PROFILE_STEPS} "
         "steps timed, then traced with `jax.profiler`; each action's ops summed by its named "
@@ -330,7 +329,8 @@ def profiled_lines(result: dict, m: int) -> list[str]:
     for name, prof in result["profiled"].items():
         for scope, ms in prof["per_run"].items():
             lines.append(
-                f"| {name} | {scope} | {ms:.2f} | {alone[scope]:.2f} | {ms / alone[scope]:.2f} |"
+                f"| {name} | {scope} | {ms:.2f} | {scope_cost(costs_ms, scope):.2f} | "
+                f"{ms / scope_cost(costs_ms, scope):.2f} |"
             )
     return lines
 

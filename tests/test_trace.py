@@ -9,7 +9,15 @@ import pytest
 
 import zbjax
 from models import mlp
-from zbjax.trace import BETWEEN, EXCHANGES, action_runs, action_times, hlo_ops, op_seconds
+from zbjax.trace import (
+    BETWEEN,
+    EXCHANGES,
+    action_runs,
+    action_times,
+    hlo_ops,
+    op_seconds,
+    scope_cost,
+)
 
 
 def _instr(text: str, op_name: str | None = None) -> str:
@@ -100,6 +108,11 @@ def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
     assert list(times.seconds) == [0] and times.seconds[0] == pytest.approx({"W s0": 20e-6})
     assert times.runs == {"F s0": 2, "B s0": 2, "W s0": 2, "F s1": 2, "B s1": 2, "W s1": 2}
     assert times.per_run("W s0") == pytest.approx(10e-6)
+    assert times.action_seconds(0) == pytest.approx(20e-6)
+    costs = zbjax.schedules.Costs(f=(1.0, 2.0), b=(3.0, 4.0), w=(5.0, 6.0), bw=(7.0, 8.0))
+    assert [scope_cost(costs, s) for s in ("F s1", "B s0", "W s1", "BW s0")] == [2, 3, 6, 7]
+    with pytest.raises(zbjax.PipelineError, match="no fused backward"):
+        scope_cost(zbjax.schedules.Costs(f=(1.0,), b=(1.0,), w=(1.0,)), "BW s0")
     with pytest.raises(zbjax.PipelineError, match="no event of action 'F s1'"):
         times.per_run("F s1")
     with pytest.raises(zbjax.PipelineError, match="device 1 ran no 'W s0'; devices \\[0\\] did"):

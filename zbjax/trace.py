@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from zbjax.errors import PipelineError
-from zbjax.schedules.ir import Schedule
+from zbjax.schedules.ir import Costs, Schedule
 
 #: An action's named scope as a component of an instruction's ``op_name`` path.
 ACTION_SCOPE = re.compile(r"(?:^|/)((?:F|B|W|BW) s\d+)(?=/|$)")
@@ -187,6 +187,11 @@ class ActionTimes:
             raise PipelineError(f"device {device} ran no {scope!r}; devices {ran} did")
         return self.seconds[ran[0] if device is None else device][scope] / self.runs[scope]
 
+    def action_seconds(self, device: int) -> float:
+        """Returns the seconds per step ``device`` spent in actions (exchanges and the tick
+        loop's own work left out)."""
+        return sum(v for s, v in self.seconds[device].items() if s in self.runs)
+
     def table(self) -> str:
         """Returns a text table: per action and device, runs per step and milliseconds per run
         and per step; then per device, the step's time in actions, exchanges and between
@@ -200,7 +205,7 @@ class ActionTimes:
                     f"{scopes[scope] * 1e3:>9.3f}"
                 )
         for device, scopes in self.seconds.items():
-            actions = sum(v for s, v in scopes.items() if s in self.runs)
+            actions = self.action_seconds(device)
             step = "".join(
                 f"; {what} {value * 1e3:.3f}"
                 for what, value in (
@@ -221,6 +226,16 @@ def scope_order(scope: str) -> tuple[int, int]:
     """Returns the sort key of an action scope (``"W s1"``): by stage, then F, B, W, BW."""
     kind, stage = scope.split(" s")
     return int(stage), ("F", "B", "W", "BW").index(kind)
+
+
+def scope_cost(costs: Costs, scope: str) -> float:
+    """Returns the time ``costs`` gives the action ``scope`` (``"W s1"``): what
+    ``Pipeline.measure_costs`` measured for it alone, to set beside ``ActionTimes.per_run``."""
+    kind, stage = scope.split(" s")
+    times = {"F": costs.f, "B": costs.b, "W": costs.w, "BW": costs.bw}[kind]
+    if times is None:
+        raise PipelineError(f"the costs hold no fused backward time for {scope!r}")
+    return times[int(stage)]
 
 
 def action_runs(schedule: Schedule) -> dict[str, int]:
