@@ -1,7 +1,8 @@
 """The lowered step keeps its slot pools in place, and W's stash follows the memory model.
 
 XLA copies a buffer that a multi-way conditional, or a branch reading and writing it, passes
-through; in the tick loop that would copy every residual slot on every tick. These tests
+through; in the tick loop that would copy every residual slot (or the message pool) on every
+tick. These tests
 compile real pipelines and look for such copies in the optimized HLO.
 """
 
@@ -13,7 +14,7 @@ import pytest
 
 import zbjax
 from models import gpt, mlp
-from zbjax.lower import branch_keys, slot_layout
+from zbjax.lower import branch_keys, exchange_sizes, slot_layout
 from zbjax.partition import partition
 from zbjax.split import forwarded_stash, split
 from zbjax.ticks import KIND_NAMES
@@ -85,6 +86,9 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed, sl
             if c:
                 pools.add(f"[{max(slots, 1)},{c}]")
     assert pools
+    # The message pool too: each exchange writes what arrives into it in place.
+    message_slots = tables.num_message_slots + 1
+    pools |= {f"[{message_slots},{c}]" for c in low.message_capacity if c}
     if slots == "stash":
         assert tables.num_kept_slots and sum(low.kept_capacity)  # all three pools in use
         assert tables.num_stash_slots and sum(low.stash_capacity)
@@ -130,7 +134,16 @@ def test_every_action_runs_before_the_ticks_ppermute(schedule, packed):
     lines = bodies[0].splitlines()
     permutes = [i for i, line in enumerate(lines) if exchanges(line)]
     conds = [i for i, line in enumerate(lines) if " conditional(" in line and i not in permutes]
-    assert len(permutes) == 1, permutes
+    # One exchange per shift: a plain ppermute when every tick sends all its messages, else one
+    # conditional per size the tick's exchange can have (the sizes are tables.exchanges' codes).
+    sizes = exchange_sizes(tables)
+    always = tables.exchanges.all(axis=0)
+    expected_exchanges = sum(
+        1 if always[k] and sizes[k] == (tables.messages_per_shift[k],) else len(sizes[k])
+        for k, shift in enumerate(tables.shifts)
+        if shift
+    )
+    assert len(permutes) == expected_exchanges, (permutes, sizes)
     assert len(conds) == expected, (conds, schedule)
     assert max(conds) < min(permutes), "an action is scheduled after the tick's ppermute"
 

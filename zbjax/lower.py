@@ -958,22 +958,26 @@ def _run(
         ]
 
         def tick(carry, x):
-            residual_buf, kept_buf, stash_buf, grads, message_buf, loss_sum = carry
+            residual_buf, kept_buf, stash_buf, grads, message_buf, sends, loss_sum = carry
             (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
              msg_read, msg_write, send_pos, exchange) = x  # fmt: skip
-            state = _TickState(
-                residual_buf,
-                kept_buf,
-                stash_buf,
-                grads,
-                [
-                    [
-                        jnp.zeros(n * c, dt)
-                        for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
+
+            def deliver(message_buf, payload, k, n):
+                # Positions 0..n-1 of shift k's payload, arrived, into the slots the tables give.
+                for j in range(n):
+                    message_buf = [
+                        jax.lax.dynamic_update_index_in_dim(
+                            b, p[j * c : (j + 1) * c], msg_write[k, j], 0
+                        )
+                        for b, p, c in zip(message_buf, payload, low.message_capacity, strict=True)
                     ]
-                    for n in tables.messages_per_shift
-                ],
-                jnp.zeros((), loss_aval.dtype),
+                return message_buf
+
+            # The send payloads are carried from tick to tick, not refilled: an action writes
+            # the positions it sends, and whatever a position held before goes, if it travels
+            # at all, to the spare message slot.
+            state = _TickState(
+                residual_buf, kept_buf, stash_buf, grads, sends, jnp.zeros((), loss_aval.dtype)
             )
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
@@ -1011,58 +1015,60 @@ def _run(
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):
                 payload = state.sends[k]
-                if shift:
-                    full = tables.messages_per_shift[k]
-                    perm = [
-                        (d, (d + shift) % tables.num_devices) for d in range(tables.num_devices)
-                    ]
+                full = tables.messages_per_shift[k]
+                if not shift:
+                    message_buf = deliver(message_buf, payload, k, full)
+                    continue
+                perm = [(d, (d + shift) % tables.num_devices) for d in range(tables.num_devices)]
 
-                    def send(q, n, perm=perm, full=full):
-                        # The first n positions travel; the rest arrive as zeros, which the
-                        # tables store in the spare slot.
-                        moved = jax.lax.ppermute(
-                            [p[: n * c] for p, c in zip(q, low.message_capacity, strict=True)],
-                            axis,
-                            perm,
-                        )
-                        return [
-                            jnp.pad(p, (0, (full - n) * c))
-                            for p, c in zip(moved, low.message_capacity, strict=True)
-                        ]
+                def send(message_buf, q, n, k=k, perm=perm):
+                    # Only the first n positions travel; the others stay where they are.
+                    moved = jax.lax.ppermute(
+                        [p[: n * c] for p, c in zip(q, low.message_capacity, strict=True)],
+                        axis,
+                        perm,
+                    )
+                    return deliver(message_buf, moved, k, n)
 
-                    if always_exchanges[k] and sizes[k] == (full,):
-                        payload = send(payload, full)
-                    else:
-                        # Every device reads the same code, so all or none enter the same
-                        # collective; in a tick where nothing travels, none does and nobody
-                        # waits.
-                        payload = jax.lax.switch(
-                            exchange[k],
-                            [lambda q: q]
-                            + [lambda q, n=n, send=send: send(q, n) for n in sizes[k]],
+                if always_exchanges[k] and sizes[k] == (full,):
+                    message_buf = send(message_buf, payload, full)
+                else:
+                    # Every device reads the same code, so all or none enter the same
+                    # collective; in a tick where nothing travels, none does and nobody
+                    # waits. One two-way conditional per size, as for the actions: a
+                    # multi-way switch would copy the message pool every tick.
+                    for i, n in enumerate(sizes[k]):
+                        message_buf = jax.lax.cond(
+                            exchange[k] == i + 1,
+                            lambda b, q, n=n, send=send: send(b, q, n),
+                            lambda b, q: list(b),
+                            message_buf,
                             payload,
                         )
-                for j in range(tables.messages_per_shift[k]):
-                    message_buf = [
-                        jax.lax.dynamic_update_index_in_dim(
-                            b, p[j * c : (j + 1) * c], msg_write[k, j], 0
-                        )
-                        for b, p, c in zip(message_buf, payload, low.message_capacity, strict=True)
-                    ]
             carry = (
                 state.residuals,
                 state.kept,
                 state.stash,
                 state.grads,
                 message_buf,
+                state.sends,
                 loss_sum + state.loss,
             )
             return carry, None
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
         zero = jnp.zeros((), loss_aval.dtype)
-        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, zero)
-        (residual_buf, kept_buf, stash_buf, grads, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
+        sends = [
+            [
+                jnp.zeros(n * c, dt)
+                for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
+            ]
+            for n in tables.messages_per_shift
+        ]
+        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, sends, zero)
+        (residual_buf, kept_buf, stash_buf, grads, _, _, loss_sum), _ = jax.lax.scan(
+            tick, carry, xs
+        )
         loss = jax.lax.psum(loss_sum, axis) / num_micro
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
