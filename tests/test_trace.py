@@ -52,11 +52,11 @@ HLO = "\n".join(
 )
 
 
-def _event(op, dur, device=None, module="jit_step", pid=1):
+def _event(op, dur, device=None, module="jit_step", pid=1, ts=0.0):
     args = {"hlo_op": op, "hlo_module": module}
     if device is not None:
         args["device_ordinal"] = str(device)
-    return {"ph": "X", "pid": pid, "tid": 7, "name": op, "dur": dur, "args": args}
+    return {"ph": "X", "pid": pid, "tid": 7, "name": op, "ts": ts, "dur": dur, "args": args}
 
 
 def test_hlo_ops_place_every_instruction_in_its_action_exchanges_or_between():
@@ -69,10 +69,14 @@ def test_hlo_ops_place_every_instruction_in_its_action_exchanges_or_between():
         hlo_ops("not hlo")
 
 
-def test_op_seconds_add_up_events_per_device_and_scope_leaving_control_and_other_modules():
+def test_op_seconds_cover_events_per_device_and_scope_leaving_control_and_other_modules():
     events = [
-        _event("fusion.1", 100.0, device=1),
-        _event("fusion.1", 50.0, device=1),
+        _event("fusion.1", 100.0, device=1, ts=0.0),
+        _event("fusion.1", 50.0, device=1, ts=200.0),
+        # Independent ops of one action run at once on XLA:CPU's threads (on another device
+        # at the same time): the overlap counts once, so 230..250 adds nothing, 250..260 does.
+        {**_event("fusion.1", 30.0, device=1, ts=230.0), "tid": 8},
+        _event("fusion.1", 30.0, device=0, ts=230.0),
         _event("cond", 1000.0, device=1),  # contains fusion.1: not counted again
         _event("dot.2", 20.0, device=0),
         _event("cp", 5.0, device=0),
@@ -88,8 +92,8 @@ def test_op_seconds_add_up_events_per_device_and_scope_leaving_control_and_other
     ]
     got = op_seconds(events, hlo_ops(HLO))
     want = {
-        1: {"F s1": 150e-6},
-        0: {"W s0": 20e-6, EXCHANGES: 5e-6, BETWEEN: 2e-6},
+        1: {"F s1": 160e-6},
+        0: {"F s1": 30e-6, "W s0": 20e-6, EXCHANGES: 5e-6, BETWEEN: 2e-6},
         3: {"W s0": 30e-6},
     }
     assert got.keys() == want.keys()

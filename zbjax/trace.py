@@ -5,9 +5,10 @@ The lowering runs every action inside a ``jax.named_scope`` named by its kind an
 (``op_name``) of every HLO instruction the action compiles to. A ``jax.profiler`` trace records
 one event per executed instruction (on XLA:CPU, per thunk, with its ``hlo_op``, ``hlo_module``
 and ``device_ordinal``; on GPUs, per kernel on a stream line of its device). Adding the events'
-durations up by the scope of their instruction gives each action's time on each device in the
-real step, next to the time the step spends in its exchanges (collectives) and between actions
-(the tick loop: slot bookkeeping, branch selection).
+intervals up by the scope of their instruction (overlapping events counted once) gives each
+action's time on each device in the real step, next to the time the step spends in its
+exchanges (collectives) and between actions (the tick loop: slot bookkeeping, branch
+selection).
 
 Events of control-flow instructions (``while``, ``conditional``, ``call``) span the events of
 the instructions they run, so they are not counted. On GPUs, XLA may run several instructions
@@ -121,7 +122,12 @@ def trace_events(trace_dir: str | Path) -> list[dict[str, Any]]:
 
 def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, dict[str, float]]:
     """Returns the seconds the traced events of ``ops``' module spent per device and scope
-    (action scope, ``EXCHANGES`` or ``BETWEEN``), control-flow events left out."""
+    (action scope, ``EXCHANGES`` or ``BETWEEN``), control-flow events left out.
+
+    A scope's time on a device is the length of the union of its events' intervals: XLA:CPU
+    runs independent ops of one action (the dots of W) at the same time on its threads, and
+    a GPU may run kernels on several streams, so summing the events' durations would count
+    the overlap twice (on one core, more than the step's wall time)."""
     events = list(events)
     devices = {
         e["pid"]: int(m.group(1))
@@ -140,9 +146,7 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
         and e.get("pid") in devices
         and "Stream" in str((e.get("args") or {}).get("name", ""))
     }
-    out: dict[int, dict[str, float]] = collections.defaultdict(
-        lambda: collections.defaultdict(float)
-    )
+    intervals: dict[tuple[int, str], list[tuple[float, float]]] = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
         op = args.get("hlo_op")
@@ -154,8 +158,22 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
             continue
         ordinal = args.get("device_ordinal")
         device = devices.get(e.get("pid"), 0) if ordinal is None else int(ordinal)
-        out[device][ops.scope[op]] += float(e.get("dur", 0.0)) * 1e-6
-    return {d: dict(s) for d, s in sorted(out.items())}
+        start = float(e.get("ts", 0.0))
+        intervals[device, ops.scope[op]].append((start, start + float(e.get("dur", 0.0))))
+    out: dict[int, dict[str, float]] = collections.defaultdict(dict)
+    for (device, scope), spans in sorted(intervals.items()):
+        out[device][scope] = _union_length(spans) * 1e-6
+    return dict(out)
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Returns the length covered by the intervals ``spans`` (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
 
 
 @dataclass(frozen=True)
