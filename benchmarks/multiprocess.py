@@ -311,7 +311,7 @@ def profiled_lines(result: dict, m: int) -> list[str]:
     lines = [
         f"**In context** (m = {m}; `pipe.profile` in both processes at once, {PROFILE_STEPS} "
         "steps timed, then traced with `jax.profiler`; each action's time: the time its "
-        "ops cover (overlaps once), by its named scope, `zbjax.trace`; exchanges include "
+        "ops cover, overlaps split, by its named scope, `zbjax.trace`; exchanges include "
         "waiting for the other process; medians of the steps):",
         "",
         "| schedule | process | step (ms) | traced step (ms) | actions (ms) | exchanges (ms) | "

@@ -5,7 +5,7 @@ The lowering runs every action inside a ``jax.named_scope`` named by its kind an
 (``op_name``) of every HLO instruction the action compiles to. A ``jax.profiler`` trace records
 one event per executed instruction (on XLA:CPU, per thunk, with its ``hlo_op``, ``hlo_module``
 and ``device_ordinal``; on GPUs, per kernel on a stream line of its device). Adding the events'
-intervals up by the scope of their instruction (overlapping events counted once) gives each
+intervals up by the scope of their instruction (overlaps split, not counted twice) gives each
 action's time on each device in the real step, next to the time the step spends in its
 exchanges (collectives) and between actions (the tick loop: slot bookkeeping, branch
 selection).
@@ -124,10 +124,12 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
     """Returns the seconds the traced events of ``ops``' module spent per device and scope
     (action scope, ``EXCHANGES`` or ``BETWEEN``), control-flow events left out.
 
-    A scope's time on a device is the length of the union of its events' intervals: XLA:CPU
-    runs independent ops of one action (the dots of W) at the same time on its threads, and
-    a GPU may run kernels on several streams, so summing the events' durations would count
-    the overlap twice (on one core, more than the step's wall time)."""
+    A scope's time on a device is its share of the time the device's events cover: XLA:CPU
+    runs independent ops at the same time on its threads (the dots of one W; ops of two
+    actions or of an action and the tick loop), and a GPU may run kernels on several streams,
+    so summing the events' durations would count the overlap twice (on one core, more than the
+    step's wall time). A scope's own overlapping events count once; time in which events of
+    several scopes overlap is split evenly among them."""
     events = list(events)
     devices = {
         e["pid"]: int(m.group(1))
@@ -146,7 +148,7 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
         and e.get("pid") in devices
         and "Stream" in str((e.get("args") or {}).get("name", ""))
     }
-    intervals: dict[tuple[int, str], list[tuple[float, float]]] = collections.defaultdict(list)
+    spans: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
         op = args.get("hlo_op")
@@ -159,21 +161,26 @@ def op_seconds(events: Iterable[Mapping[str, Any]], ops: HloOps) -> dict[int, di
         ordinal = args.get("device_ordinal")
         device = devices.get(e.get("pid"), 0) if ordinal is None else int(ordinal)
         start = float(e.get("ts", 0.0))
-        intervals[device, ops.scope[op]].append((start, start + float(e.get("dur", 0.0))))
-    out: dict[int, dict[str, float]] = collections.defaultdict(dict)
-    for (device, scope), spans in sorted(intervals.items()):
-        out[device][scope] = _union_length(spans) * 1e-6
-    return dict(out)
+        spans[device].append((start, start + float(e.get("dur", 0.0)), ops.scope[op]))
+    return {d: {k: v * 1e-6 for k, v in _shares(spans[d]).items()} for d in sorted(spans)}
 
 
-def _union_length(spans: list[tuple[float, float]]) -> float:
-    """Returns the length covered by the intervals ``spans`` (overlaps counted once)."""
-    total, end = 0.0, float("-inf")
-    for lo, hi in sorted(spans):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
+def _shares(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Returns each scope's share of the time the ``(start, end, scope)`` spans cover: where
+    spans of several scopes overlap, the time is split evenly among those scopes; a scope's
+    own overlapping spans count once."""
+    edges = sorted({t for lo, hi, _ in spans for t in (lo, hi)})
+    starts = collections.defaultdict(list)
+    for lo, hi, scope in spans:
+        starts[lo].append((hi, scope))
+    share: dict[str, float] = collections.defaultdict(float)
+    active: list[tuple[float, str]] = []
+    for left, right in zip(edges, edges[1:], strict=False):
+        active = [(hi, scope) for hi, scope in active if hi > left] + starts.get(left, [])
+        scopes = {scope for _, scope in active}
+        for scope in scopes:
+            share[scope] += (right - left) / len(scopes)
+    return dict(share)
 
 
 @dataclass(frozen=True)
