@@ -312,15 +312,19 @@ def profiled_lines(result: dict, m: int) -> list[str]:
         f"**In context** (m = {m}; `pipe.profile` in both processes at once, {PROFILE_STEPS} "
         "steps timed, then traced with `jax.profiler`; each action's time: the time its "
         "ops cover, overlaps split, by its named scope, `zbjax.trace`; exchanges include "
-        "waiting for the other process; medians of the steps):",
+        "waiting for the other process; step: the median untraced step, traced step: the "
+        "mean traced step, the basis of the times per step; *sum / traced step*: how much "
+        "of it the ops' events cover):",
         "",
         "| schedule | process | step (ms) | traced step (ms) | actions (ms) | exchanges (ms) | "
-        "between actions (ms) |",
-        "|---|---|---|---|---|---|---|",
+        "between actions (ms) | sum / traced step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, prof in result["profiled"].items():
         for process, row in enumerate(prof["devices"]):
-            lines.append(f"| {name} | {process} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+            cover = sum(row[2:5]) / row[1]
+            cells = " | ".join(f"{v:.1f}" for v in row)
+            lines.append(f"| {name} | {process} | {cells} | {cover:.2f} |")
     lines += [
         "",
         "| schedule | action | in the step (ms per run) | alone (ms) | in the step / alone |",

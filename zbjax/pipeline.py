@@ -287,7 +287,8 @@ class Pipeline:
         The step runs as ``value_and_grad(..., buffers=)`` runs it, compiled once, warmed up,
         timed untraced ``steps`` times (``step_seconds`` is the median), then traced ``steps``
         times into ``trace_dir`` (kept there; a temporary directory when None;
-        ``traced_step_seconds`` is their median).
+        ``traced_step_seconds`` is their mean, the basis of the per-step times the trace
+        gives: one slow traced step raises both).
         ``.table()`` prints it; ``.per_run("W s1")`` is the time one W of stage 1 took, to set
         beside ``measure_costs``, which times each action alone.
         """
@@ -327,7 +328,7 @@ class Pipeline:
                 steps,
                 built.lowering.schedule,
                 statistics.median(untraced),
-                statistics.median(traced),
+                statistics.mean(traced),
             )
 
     def _check_buffers(self, buffers: Any, built: _Built) -> None:

@@ -190,9 +190,9 @@ class ActionTimes:
     ``seconds[device][scope]``: seconds per step on that device (XLA's device ordinal) in the
     action scope (``"F s1"``), in ``EXCHANGES`` or ``BETWEEN``; ``runs[scope]``: how often
     the schedule runs that action per step on its device (m for most); ``step_seconds``: the
-    step's wall time untraced, ``traced_step_seconds`` traced (tracing slows a step), when
-    known. The ops' events do not cover the whole step: the executor's own time between ops
-    and the step's launch are in no event."""
+    step's wall time untraced, ``traced_step_seconds`` traced (tracing slows a step; the mean
+    over the traced steps, as ``seconds`` is), when known. The ops' events do not cover the
+    whole step: the executor's own time between ops and the step's launch are in no event."""
 
     steps: int
     seconds: Mapping[int, Mapping[str, float]]
