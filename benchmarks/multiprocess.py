@@ -11,7 +11,10 @@ also with W's stash in slots of its own (alternating rounds, medians, ratio to 1
 round); the stage costs F, B, W measured on its one core alone (as
 ``step_time.measured_costs`` does); the simulator's predicted ratio from those costs; and the
 cost of one tick's ``ppermute`` of a microbatch's activations between the processes, which a
-pipeline step pays once per tick that sends a message. Writes the section "multiprocess" of
+pipeline step pays once per tick that sends a message; profiles of 1f1b and zb-h2 in both
+processes at the first m (``pipe.profile``), each action's time in the step against alone, and
+the in-step costs they give (``ActionTimes.costs``), which time every variant's ticks again and
+plan one more zb-h2. Writes the section "multiprocess" of
 ``benchmarks/RESULTS.md``.
 
 Run: ``python benchmarks/multiprocess.py [--rounds N] [--microbatches 4 8]``.
@@ -27,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 COMMAND = "python benchmarks/multiprocess.py"
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h2")
@@ -39,11 +43,15 @@ STASH_SLOTS = "zb-h2, stash slots"
 #: zb-h2 given the costs without the fused backward's, so that no stage with a B to compute
 #: runs fused (``step_time.SPLIT``).
 SPLIT = "zb-h2, B and W split"
-VARIANTS = (*SCHEDULE_NAMES, *UNPACKED, STASH_SLOTS, SPLIT)
+#: zb-h2 planned by the in-step costs: each action's time inside the step, read off the
+#: profiles of 1f1b and zb-h2 (``ActionTimes.costs``), instead of its time alone.
+IN_STEP = "zb-h2, planned by in-step costs"
+VARIANTS = (*SCHEDULE_NAMES, *UNPACKED, STASH_SLOTS, SPLIT, IN_STEP)
 NUM_PROCESSES = 2
 TIMEOUT_S = 900
-#: Schedules profiled in context (``pipe.profile``) at the first microbatch count, as planned.
-PROFILED = ("1f1b", "zb-h2")
+#: Schedules profiled in context (``pipe.profile``) at the first microbatch count, as planned;
+#: in this order, so that the in-step costs take F and BW from 1f1b's profile.
+PROFILED = ("zb-h2", "1f1b")
 #: Steps each profile times untraced and then traces.
 PROFILE_STEPS = 5
 
@@ -115,6 +123,13 @@ def worker(
     }
     result["ppermute_ms"] = 1e3 * costs.comm
     result["comm_message_ms"] = 1e3 * costs.comm_message
+    # Profiled first, so that the in-step costs can plan a variant and time every prediction.
+    result["profiled"], in_step = profile_in_context(
+        loss_fn, params, cfg, setup, mesh, costs, microbatches[0], 1 if smoke else PROFILE_STEPS
+    )
+    result["in_step_costs_ms"] = [
+        [1e3 * x for x in c] for c in (in_step.f, in_step.b, in_step.w, in_step.bw)
+    ]
     result["m"] = {}
     for m in microbatches:
         batch = jax.tree.map(
@@ -129,15 +144,18 @@ def worker(
             overlay = zbjax.lower.OVERLAY_MIN_SAVING
             if name == STASH_SLOTS:
                 zbjax.lower.OVERLAY_MIN_SAVING = float("inf")  # never overlaid
-            given = step_time.split_costs(costs) if name == SPLIT else costs
+            given = {SPLIT: step_time.split_costs(costs), IN_STEP: in_step}.get(name, costs)
             try:  # the slot layout is chosen when the step is built, here
                 variants[name] = step_time.pipeline_step(
                     loss_fn, schedule, mesh, params, batch, costs=given, pack_ticks=pack
                 )
             finally:
                 zbjax.lower.OVERLAY_MIN_SAVING = overlay
-            prediction = step_time.predict(schedule, costs, pack=pack, plan_costs=given)
-            predicted[name] = prediction
+            # The ticks the pipeline planned, timed by the costs alone and by the in-step ones.
+            predicted[name] = step_time.predict(schedule, costs, pack=pack, plan_costs=given)
+            predicted[name, IN_STEP] = step_time.predict(
+                schedule, in_step, pack=pack, plan_costs=given
+            )
         times = step_time.alternate(variants, rounds)
         result["m"][m] = {
             name: {
@@ -150,21 +168,24 @@ def worker(
                 "exchanges": predicted[name].exchanges,
                 "comm_ms": 1e3 * predicted[name].comm,
                 "fused": list(predicted[name].fused),
+                "in_step_makespan_ms": 1e3 * predicted[name, IN_STEP].makespan,
+                "in_step_lockstep_ms": 1e3
+                * (predicted[name, IN_STEP].lockstep + predicted[name, IN_STEP].comm),
             }
             for name in VARIANTS
         }
-    result["profiled"] = profile_in_context(
-        loss_fn, params, cfg, setup, mesh, costs, microbatches[0], 1 if smoke else PROFILE_STEPS
-    )
     if process_id == 0:
         Path(out).write_text(json.dumps(result))
 
 
-def profile_in_context(loss_fn, params, cfg, setup, mesh, costs, m: int, steps: int) -> dict:
-    """Returns, per profiled schedule, what ``pipe.profile`` saw on each process's device:
-    the step untraced and traced, its time in actions, exchanges and between actions, and
-    every action's time per run (ms; NaN where the device ran no such action), gathered from
-    both processes (a collective: both call it)."""
+def profile_in_context(
+    loss_fn, params, cfg, setup, mesh, costs, m: int, steps: int
+) -> tuple[dict, Any]:
+    """Returns, per profiled schedule, what ``pipe.profile`` saw on each process's device
+    (the step untraced and traced, its time in actions, exchanges and between actions, and
+    every action's time per run in ms), gathered from both processes (a collective: both call
+    it); and the in-step costs: ``costs`` with each action's time as it ran in the step, F
+    and BW from 1f1b's profile, B and W from zb-h2's (``ActionTimes.costs``)."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -175,13 +196,13 @@ def profile_in_context(loss_fn, params, cfg, setup, mesh, costs, m: int, steps: 
     import zbjax
     from models import mlp
     from zbjax import schedules
-    from zbjax.trace import BETWEEN, EXCHANGES
+    from zbjax.trace import BETWEEN, EXCHANGES, ActionTimes
 
     scopes = [f"{k} s{s}" for s in range(NUM_PROCESSES) for k in ("F", "B", "W", "BW")]
     batch = jax.tree.map(
         np.asarray, mlp.make_batch(jax.random.key(1), cfg, m * setup.microbatch_rows)
     )
-    out = {}
+    out, in_step = {}, costs
     for name in PROFILED:
         pipe = zbjax.pipeline(
             loss_fn,
@@ -208,6 +229,20 @@ def profile_in_context(loss_fn, params, cfg, setup, mesh, costs, m: int, steps: 
             ),
         ]
         gathered = np.asarray(multihost_utils.process_allgather(1e3 * np.array(row)))
+        # Both processes' actions, as if one profile had seen both devices.
+        both = ActionTimes(
+            1,
+            {
+                p: {
+                    scope: r[5 + k] * 1e-3 * times.runs[scope]
+                    for k, scope in enumerate(scopes)
+                    if not np.isnan(r[5 + k])
+                }
+                for p, r in enumerate(gathered)
+            },
+            times.runs,
+        )
+        in_step = both.costs(in_step)
         out[name] = {
             "devices": [list(map(float, r[:5])) for r in gathered],
             "per_run": {
@@ -216,7 +251,7 @@ def profile_in_context(loss_fn, params, cfg, setup, mesh, costs, m: int, steps: 
                 if not np.all(np.isnan(gathered[:, 5 + k]))
             },
         }
-    return out
+    return out, in_step
 
 
 def launch(rounds: int, microbatches: Sequence[int], smoke: bool = False) -> dict:
@@ -235,6 +270,7 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
     from step_time import stages_text
 
     f, b, w, bw = result["costs_ms"]
+    fi, bi, wi, bwi = result["in_step_costs_ms"]
     lines = [
         "## Step time with one core per device: two pinned processes over jax.distributed",
         "",
@@ -272,12 +308,21 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "overlay, taken where it holds at least 10 % fewer slot bytes); "
         f"*{SPLIT}* gets the costs without the fused backward's (BW costing B + W), so the "
         "planner keeps every stage with a B to compute split (predicted: ticks planned by "
-        "those costs, timed by the measured ones).",
+        "those costs, timed by the measured ones). *In-step costs*: each action's time inside "
+        f"the step, from the profiles below (m = {microbatches[0]}; F and BW as 1f1b's step "
+        "ran them, B and W as zb-h2's, where it split a stage; `ActionTimes.costs`): "
+        + "; ".join(
+            f"stage {s}: F {fi[s]:.2f} / B {bi[s]:.2f} / W {wi[s]:.2f} / fused BW {bwi[s]:.2f} ms"
+            for s in range(len(fi))
+        )
+        + f"; the *(in-step)* columns time each variant's ticks by them, and *{IN_STEP}* is "
+        "planned by them too.",
         "",
         "| m | schedule | step (ms) | measured / 1f1b | rounds' middle half | predicted / 1f1b "
-        "| lockstep + comm / 1f1b | predicted step (ms, lockstep + comm) | ticks | exchanges "
+        "| lockstep + comm / 1f1b | predicted / 1f1b (in-step) | lockstep + comm / 1f1b "
+        "(in-step) | predicted step (ms, lockstep + comm) | ticks | exchanges "
         "| stages run fused (BW) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in microbatches:
         rows = result["m"][str(m)]
@@ -292,6 +337,8 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
                 f"| {m} | {name} | {row['step_ms']:.1f} | {row['ratio']:.3f} | "
                 f"{row['quartiles'][0]:.3f}–{row['quartiles'][1]:.3f} | "
                 f"{row['makespan_ms'] / base['makespan_ms']:.3f} | {lock(row) / lock(base):.3f} | "
+                f"{row['in_step_makespan_ms'] / base['in_step_makespan_ms']:.3f} | "
+                f"{row['in_step_lockstep_ms'] / base['in_step_lockstep_ms']:.3f} | "
                 f"{lock(row):.1f} | {row['ticks']} | {row['exchanges']} | "
                 f"{stages_text(row['fused'])} |"
             )

@@ -169,6 +169,12 @@ def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_sectio
         assert len(prof["devices"]) == 2 and all(row[2] > 0 for row in prof["devices"])
         assert {"F s0", "F s1"} <= set(prof["per_run"])
     assert "**In context** (m = 2" in text and "| zb-h2 | F s1 |" in text
+    # The in-step costs: each stage's F, B, W, BW as the profiled steps ran them, planning a
+    # variant of their own and timing every variant's ticks in two more columns.
+    in_step = result["in_step_costs_ms"]
+    assert len(in_step) == 4 and all(len(c) == 2 and min(c) > 0 for c in in_step)
+    assert in_step[0][1] == pytest.approx(profiled["1f1b"]["per_run"]["F s1"])
+    assert "(in-step)" in text and f"| 2 | {multiprocess.IN_STEP} |" in text
 
 
 def test_overlap_benchmark_times_every_variant_in_two_pinned_processes():

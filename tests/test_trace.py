@@ -117,6 +117,13 @@ def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
     assert times.action_seconds(0) == pytest.approx(20e-6)
     costs = zbjax.schedules.Costs(f=(1.0, 2.0), b=(3.0, 4.0), w=(5.0, 6.0), bw=(7.0, 8.0))
     assert [scope_cost(costs, s) for s in ("F s1", "B s0", "W s1", "BW s0")] == [2, 3, 6, 7]
+    # Planning by the step's times: W s0's time per run (40 us over 2 steps, 2 runs a step)
+    # replaces the base's; the rest, never traced, keep theirs.
+    replanned = times.costs(costs)
+    assert replanned.w == pytest.approx((10e-6, 6.0)) and replanned.f == (1.0, 2.0)
+    assert replanned.b == (3.0, 4.0) and replanned.bw == (7.0, 8.0)
+    assert times.costs(zbjax.schedules.Costs(comm=0.5)).bw is None  # b + w, as before
+    assert times.costs(zbjax.schedules.Costs(comm=0.5)).comm == 0.5
     with pytest.raises(zbjax.PipelineError, match="no fused backward"):
         scope_cost(zbjax.schedules.Costs(f=(1.0,), b=(1.0,), w=(1.0,)), "BW s0")
     with pytest.raises(zbjax.PipelineError, match="no event of action 'F s1'"):
@@ -145,6 +152,11 @@ def test_profile_times_every_action_of_the_step_on_the_device_that_runs_it(tmp_p
         assert times.per_run(scope, device) > 0
     assert times.step_seconds > 0
     assert "device 0: actions" in times.table()
+    # zb-h1 runs every B and W split: the in-step costs take all of F, B, W from the trace.
+    in_step = times.costs(zbjax.schedules.Costs(comm=1e-3))
+    for kind, got in (("F", in_step.f), ("B", in_step.b), ("W", in_step.w)):
+        assert got == pytest.approx(tuple(times.per_run(f"{kind} s{s}") for s in range(2)))
+    assert in_step.bw is None and in_step.comm == 1e-3
     with pytest.raises(zbjax.PipelineError, match="steps=0"):
         pipe.profile(params, batch, steps=0)
     jax.profiler.start_trace(str(tmp_path / "users"))

@@ -20,6 +20,7 @@ is attributed to the command buffer's own scope, usually none (``XLA_FLAGS=
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gzip
 import json
 import re
@@ -211,6 +212,28 @@ class ActionTimes:
         if device is not None and device not in ran:
             raise PipelineError(f"device {device} ran no {scope!r}; devices {ran} did")
         return self.seconds[ran[0] if device is None else device][scope] / self.runs[scope]
+
+    def costs(self, base: Costs) -> Costs:
+        """Returns ``base`` (seconds, as ``Pipeline.measure_costs`` gives them) with the time
+        of every action this profile ran replaced by its time per run in the step, on the
+        device that ran it, the others (and ``comm``) kept: costs to plan a pipeline by what
+        its actions cost inside the step rather than alone (``pipeline(costs=...)``). A
+        profile of a schedule that runs a stage's backward fused gives its BW, one that
+        splits it its B and W: chain two profiles' ``costs`` for all three."""
+        ran: dict[tuple[str, int], float] = {}
+        for scope in self.runs:
+            if any(scope in s for s in self.seconds.values()):
+                kind, stage = scope.split(" s")
+                ran[kind, int(stage)] = self.per_run(scope)
+        num_stages = 1 + max(int(scope.split(" s")[1]) for scope in self.runs)
+        f, b, w = (list(t) for t in base.per_stage(num_stages))
+        bw = list(base.fused_per_stage(num_stages))
+        for (kind, stage), seconds in ran.items():
+            {"F": f, "B": b, "W": w, "BW": bw}[kind][stage] = seconds
+        has_bw = base.bw is not None or any(kind == "BW" for kind, _ in ran)
+        return dataclasses.replace(
+            base, f=tuple(f), b=tuple(b), w=tuple(w), bw=tuple(bw) if has_bw else None
+        )
 
     def action_seconds(self, device: int) -> float:
         """Returns the seconds per step ``device`` spent in actions (exchanges and the tick
