@@ -2,8 +2,7 @@
 
 XLA copies a buffer that a multi-way conditional, or a branch reading and writing it, passes
 through; in the tick loop that would copy every residual slot (or the message pool) on every
-tick. These tests
-compile real pipelines and look for such copies in the optimized HLO.
+tick. These tests compile real pipelines and look for such copies in the optimized HLO.
 """
 
 import re

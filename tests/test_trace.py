@@ -12,6 +12,7 @@ from models import mlp
 from zbjax.trace import (
     BETWEEN,
     EXCHANGES,
+    ActionTimes,
     action_runs,
     action_times,
     hlo_ops,
@@ -73,10 +74,12 @@ def test_op_seconds_share_the_time_events_cover_per_device_leaving_control_and_o
     events = [
         _event("fusion.1", 100.0, device=1, ts=0.0),
         _event("fusion.1", 50.0, device=1, ts=200.0),
-        # Independent ops of one action run at once on XLA:CPU's threads (on another device
-        # at the same time): the overlap counts once, so 230..250 adds nothing, 250..260 does.
+        # Independent ops of one action run at once on XLA:CPU's threads: the overlap counts
+        # once, so 230..250 adds nothing, 250..260 does. An op on device 0 at the same time
+        # is device 0's alone. A zero-length event takes no share.
         {**_event("fusion.1", 30.0, device=1, ts=230.0), "tid": 8},
         _event("fusion.1", 30.0, device=0, ts=230.0),
+        _event("cp", 0.0, device=0, ts=230.0),
         _event("cond", 1000.0, device=1),  # contains fusion.1: not counted again
         # Ops of different scopes at once on device 0: 10..15 is split between W s0 and the
         # exchange, so the scopes' times add up to the 0..20 the events cover.
@@ -124,6 +127,12 @@ def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
     assert replanned.b == (3.0, 4.0) and replanned.bw == (7.0, 8.0)
     assert times.costs(zbjax.schedules.Costs(comm=0.5)).bw is None  # b + w, as before
     assert times.costs(zbjax.schedules.Costs(comm=0.5)).comm == 0.5
+    # A profile with stage 0 fused and stage 1 split: BW s0 is taken, and with no fused time
+    # given, stage 1's BW is its B + W, the in-step W included.
+    runs = {"F s0": 1, "BW s0": 1, "F s1": 1, "B s1": 1, "W s1": 1}
+    mixed = ActionTimes(1, {0: {"BW s0": 2.0}, 1: {"W s1": 3.0}}, runs)
+    got = mixed.costs(zbjax.schedules.Costs(f=(1.0, 2.0), b=(3.0, 4.0), w=(5.0, 6.0)))
+    assert got.w == (5.0, 3.0) and got.bw == (2.0, 7.0)
     with pytest.raises(zbjax.PipelineError, match="no fused backward"):
         scope_cost(zbjax.schedules.Costs(f=(1.0,), b=(1.0,), w=(1.0,)), "BW s0")
     with pytest.raises(zbjax.PipelineError, match="no event of action 'F s1'"):

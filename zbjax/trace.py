@@ -177,7 +177,7 @@ def _shares(spans: list[tuple[float, float, str]]) -> dict[str, float]:
     share: dict[str, float] = collections.defaultdict(float)
     active: list[tuple[float, str]] = []
     for left, right in zip(edges, edges[1:], strict=False):
-        active = [(hi, scope) for hi, scope in active if hi > left] + starts.get(left, [])
+        active = [(hi, scope) for hi, scope in active + starts.get(left, []) if hi > left]
         scopes = {scope for _, scope in active}
         for scope in scopes:
             share[scope] += (right - left) / len(scopes)
@@ -225,15 +225,20 @@ class ActionTimes:
             if any(scope in s for s in self.seconds.values()):
                 kind, stage = scope.split(" s")
                 ran[kind, int(stage)] = self.per_run(scope)
-        num_stages = 1 + max(int(scope.split(" s")[1]) for scope in self.runs)
-        f, b, w = (list(t) for t in base.per_stage(num_stages))
-        bw = list(base.fused_per_stage(num_stages))
+        n = 1 + max(int(scope.split(" s")[1]) for scope in self.runs)
+        f, b, w = (list(t) for t in base.per_stage(n))
         for (kind, stage), seconds in ran.items():
-            {"F": f, "B": b, "W": w, "BW": bw}[kind][stage] = seconds
-        has_bw = base.bw is not None or any(kind == "BW" for kind, _ in ran)
-        return dataclasses.replace(
-            base, f=tuple(f), b=tuple(b), w=tuple(w), bw=tuple(bw) if has_bw else None
-        )
+            if kind != "BW":
+                {"F": f, "B": b, "W": w}[kind][stage] = seconds
+        fused = {stage: seconds for (kind, stage), seconds in ran.items() if kind == "BW"}
+        bw = None
+        if base.bw is not None or fused:
+            # A stage whose BW neither ran nor was given costs its B + W, as Costs has it.
+            given = base.fused_per_stage(n) if base.bw is not None else None
+            bw = tuple(
+                fused.get(s, given[s] if given is not None else b[s] + w[s]) for s in range(n)
+            )
+        return dataclasses.replace(base, f=tuple(f), b=tuple(b), w=tuple(w), bw=bw)
 
     def action_seconds(self, device: int) -> float:
         """Returns the seconds per step ``device`` spent in actions (exchanges and the tick
