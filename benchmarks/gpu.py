@@ -13,6 +13,14 @@ Three parts, in this order, written to finish in under 5 minutes on one H100/H20
 3. **Memory** (``memory.py``) at width 4096: with 4 or more GPUs, the compiled per-device memory
    of every schedule's pipeline step; with fewer, the compiled memory of one stage's F, B, W
    and BW programs (what M_B and M_W are at this size) and every schedule's predicted peak.
+4. **Step time** (``step_time.py``'s question, with 2 or more GPUs): ``step_time``'s MLP at
+   width 4096 on the first 2 GPUs, every schedule planned by the stage costs measured alone
+   (``pipe.measure_costs``), alternating rounds, measured ratio to 1f1b next to the
+   simulator's and the lockstep model's; then 1f1b and zb-h2 profiled in the step
+   (``pipe.profile``), and the same predictions from the actions' in-step times
+   (``ActionTimes.costs``). XLA's command buffers hide the actions from a GPU trace (their
+   kernels carry the buffer's name); with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` they
+   show, and the section says how many actions the profiles timed.
 
 Writes the section "gpu" of ``benchmarks/RESULTS.md``. Without a GPU it refuses (exit 2);
 ``--cpu-smoke`` runs every part at toy sizes on CPU and prints, writing nothing.
@@ -29,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -46,7 +55,8 @@ import memory
 import step_time
 from _results import write_section
 
-from models import gpt
+import zbjax
+from models import gpt, mlp
 from zbjax import schedules
 from zbjax.partition import partition
 from zbjax.profile import LOOP_RUNS
@@ -68,6 +78,11 @@ REALISTIC_MEMORY = memory.Model(
     d_model=4096, num_heads=32, seq_len=1024, vocab_size=32000, num_layers=8, microbatch_rows=1
 )
 MEMORY_MICROBATCHES = 8
+#: The step-time part: ``step_time``'s MLP at width 4096 (4 layers per GPU, 4096 rows per
+#: microbatch), these schedules, m microbatches, on 2 GPUs.
+STEP_SETUP = step_time.Setup(width=4096, layers_per_stage=4, microbatch_rows=4096)
+STEP_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto")
+STEP_MICROBATCHES = 8
 # Calls of each looped program inside one profiler trace (each call runs it LOOP_RUNS times).
 TRACED_CALLS = 3
 # Kernels from a matrix library (cuBLAS, cuBLASLt, CUTLASS) or XLA's own Triton GEMMs.
@@ -271,6 +286,99 @@ def pipeline_memory_section(model: memory.Model) -> str:
     )
 
 
+def step_time_section(setup: step_time.Setup, m: int, rounds: int, profile_steps: int) -> str:
+    """Returns the step time of ``STEP_SCHEDULES`` on the first 2 devices, measured against
+    predicted from the costs alone and from the actions' times in the step (needs 2)."""
+    mesh = step_time.make_mesh()
+    cfg = step_time.mlp_config(setup, step_time.NUM_DEVICES)
+    params = mlp.init_params(jax.random.key(0), cfg)
+    loss_fn = mlp.make_loss_fn(cfg)
+    batch = mlp.make_batch(jax.random.key(1), cfg, m * setup.microbatch_rows)
+
+    def pipe_of(name: str, costs: schedules.Costs | None) -> Any:
+        schedule = schedules.build(name, step_time.NUM_DEVICES, m, costs=costs)
+        return zbjax.pipeline(
+            loss_fn,
+            mesh=mesh,
+            axis_name=step_time.AXIS,
+            schedule=schedule,
+            num_microbatches=m,
+            costs=costs,
+        )
+
+    alone = pipe_of("1f1b", None).measure_costs(params, batch, repeats=max(rounds // 2, 2))
+    pipes = {name: pipe_of(name, alone) for name in STEP_SCHEDULES}
+    built = {name: schedules.build(name, step_time.NUM_DEVICES, m, costs=alone) for name in pipes}
+    staged = {name: pipe.stage(params, batch) for name, pipe in pipes.items()}
+    steps = {
+        name: (lambda pipe=pipe, p=staged[name]: pipe.value_and_grad(p, batch))
+        for name, pipe in pipes.items()
+    }
+    times = step_time.alternate(steps, rounds)
+    # The actions' times in the step: F and BW as 1f1b ran them, B and W as zb-h2 did with
+    # every stage kept split (its planner given no fused backward's time).
+    split = pipe_of("zb-h2", step_time.split_costs(alone))
+    profiles = {
+        "zb-h2": split.profile(split.stage(params, batch), batch, steps=profile_steps),
+        "1f1b": pipes["1f1b"].profile(staged["1f1b"], batch, steps=profile_steps),
+    }
+    in_step = profiles["1f1b"].costs(profiles["zb-h2"].costs(alone))
+    timed = {
+        name: sum(scope in scopes for scopes in t.seconds.values() for scope in t.runs)
+        for name, t in profiles.items()
+    }
+    predicted = {
+        (name, which): step_time.predict(built[name], costs, plan_costs=alone)
+        for name in STEP_SCHEDULES
+        for which, costs in (("alone", alone), ("in-step", in_step))
+    }
+
+    def ratio(name: str, which: str, lockstep: bool) -> float:
+        def of(n: str) -> float:
+            p = predicted[n, which]
+            return p.lockstep + p.comm if lockstep else p.makespan
+
+        return of(name) / of("1f1b")
+
+    def costs_text(costs: schedules.Costs) -> str:
+        f, b, w = costs.per_stage(step_time.NUM_DEVICES)
+        bw = costs.fused_per_stage(step_time.NUM_DEVICES)
+        return "; ".join(
+            f"stage {s}: F {1e3 * f[s]:.2f} / B {1e3 * b[s]:.2f} / W {1e3 * w[s]:.2f} / "
+            f"BW {1e3 * bw[s]:.2f} ms"
+            for s in range(len(f))
+        )
+
+    rows = [
+        f"| {name} | {1e3 * statistics.median(times[name]):.2f} | "
+        f"{step_time.median_ratio(times, name, '1f1b'):.3f} | "
+        f"{ratio(name, 'alone', False):.3f} | {ratio(name, 'alone', True):.3f} | "
+        f"{ratio(name, 'in-step', False):.3f} | {ratio(name, 'in-step', True):.3f} | "
+        f"{step_time.stages_text(predicted[name, 'alone'].fused)} |"
+        for name in STEP_SCHEDULES
+    ]
+    return "\n".join(
+        [
+            f"**Step time** (2 devices, `step_time`'s MLP: {2 * setup.layers_per_stage} x "
+            f"Dense({setup.width}), {setup.microbatch_rows} rows per microbatch, m = {m}; "
+            f"{rounds} alternating rounds, medians; predictions as in `step_time`, the "
+            "pipelines planned by the costs alone). Costs alone (`pipe.measure_costs`, "
+            f"`comm` {1e3 * alone.comm:.3f} ms): {costs_text(alone)}. In the step "
+            f"(`pipe.profile` of 1f1b and of zb-h2 with every stage kept split, steps traced: "
+            f"{profile_steps}; actions timed: 1f1b {timed['1f1b']} of "
+            f"{len(profiles['1f1b'].runs)}, zb-h2 {timed['zb-h2']} of "
+            f"{len(profiles['zb-h2'].runs)}; the rest keep their time alone): "
+            f"{costs_text(in_step)}.",
+            "",
+            "| schedule | step (ms) | measured / 1f1b | predicted / 1f1b | lockstep + comm / "
+            "1f1b | predicted / 1f1b (in-step) | lockstep + comm / 1f1b (in-step) | stages "
+            "run fused (BW) |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Returns 0 after running the three parts (2 when there is no GPU and no --cpu-smoke)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -310,10 +418,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         parts.append(stage_memory_section(model))
     print(parts[-1], flush=True)
+    if len(jax.devices()) >= step_time.NUM_DEVICES:
+        setup = step_time.SMOKE_SETUP if smoke else STEP_SETUP
+        parts.append(
+            step_time_section(
+                setup, 4 if smoke else STEP_MICROBATCHES, 3 if smoke else 11, 1 if smoke else 3
+            )
+        )
+        print(parts[-1], flush=True)
     device = jax.devices()[0]
     body = "\n\n".join(
         [
-            "## GPU: per-tick overhead, B/W split and memory at width 4096",
+            "## GPU: per-tick overhead, B/W split, memory and step time at width 4096",
             f"Made by `{COMMAND}` on {len(jax.devices())} x {device.device_kind} "
             f"(jax {jax.__version__}). Timings are medians; see the bw_split and memory "
             "sections for what each column means.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -222,3 +223,17 @@ def test_gpu_script_refuses_politely_without_a_gpu(capsys):
         pytest.skip("a GPU is present")
     assert gpu.main([]) == 2
     assert "--cpu-smoke" in capsys.readouterr().err
+
+
+def test_gpu_step_time_part_times_every_schedule_and_predicts_from_in_step_costs():
+    # gpu.py's part for 2 or more GPUs, at toy sizes on 2 CPU devices.
+    text = gpu.step_time_section(step_time.SMOKE_SETUP, m=4, rounds=2, profile_steps=1)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][1:]
+    assert [row[0][2:] for row in rows] == list(gpu.STEP_SCHEDULES)
+    one = rows[gpu.STEP_SCHEDULES.index("1f1b")]
+    assert one[2:7] == ["1.000"] * 5  # measured and all four predictions, against itself
+    assert all(float(row[1]) > 0 for row in rows)
+    # On CPU the trace names every action: all of them timed in the step. zb-h2 kept split
+    # runs B and W of stage 1 (stage 0's backward may run fused: its B has nothing to do).
+    timed = re.search(r"actions timed: 1f1b (\d+) of (\d+), zb-h2 (\d+) of (\d+);", text)
+    assert timed and timed[1] == timed[2] == "4" and timed[3] == timed[4] in ("5", "6"), text
