@@ -295,8 +295,10 @@ def step_time_section(setup: step_time.Setup, m: int, rounds: int, profile_steps
     loss_fn = mlp.make_loss_fn(cfg)
     batch = mlp.make_batch(jax.random.key(1), cfg, m * setup.microbatch_rows)
 
-    def pipe_of(name: str, costs: schedules.Costs | None) -> Any:
-        schedule = schedules.build(name, step_time.NUM_DEVICES, m, costs=costs)
+    def schedule_of(name: str, costs: schedules.Costs | None) -> schedules.Schedule:
+        return schedules.build(name, step_time.NUM_DEVICES, m, costs=costs)
+
+    def pipe_of(schedule: schedules.Schedule, costs: schedules.Costs | None) -> Any:
         return zbjax.pipeline(
             loss_fn,
             mesh=mesh,
@@ -306,9 +308,10 @@ def step_time_section(setup: step_time.Setup, m: int, rounds: int, profile_steps
             costs=costs,
         )
 
-    alone = pipe_of("1f1b", None).measure_costs(params, batch, repeats=max(rounds // 2, 2))
-    pipes = {name: pipe_of(name, alone) for name in STEP_SCHEDULES}
-    built = {name: schedules.build(name, step_time.NUM_DEVICES, m, costs=alone) for name in pipes}
+    probe = pipe_of(schedule_of("1f1b", None), None)
+    alone = probe.measure_costs(params, batch, repeats=max(rounds // 2, 2))
+    built = {name: schedule_of(name, alone) for name in STEP_SCHEDULES}
+    pipes = {name: pipe_of(schedule, alone) for name, schedule in built.items()}
     staged = {name: pipe.stage(params, batch) for name, pipe in pipes.items()}
     steps = {
         name: (lambda pipe=pipe, p=staged[name]: pipe.value_and_grad(p, batch))
@@ -317,7 +320,8 @@ def step_time_section(setup: step_time.Setup, m: int, rounds: int, profile_steps
     times = step_time.alternate(steps, rounds)
     # The actions' times in the step: F and BW as 1f1b ran them, B and W as zb-h2 did with
     # every stage kept split (its planner given no fused backward's time).
-    split = pipe_of("zb-h2", step_time.split_costs(alone))
+    split_costs = step_time.split_costs(alone)
+    split = pipe_of(schedule_of("zb-h2", split_costs), split_costs)
     profiles = {
         "zb-h2": split.profile(split.stage(params, batch), batch, steps=profile_steps),
         "1f1b": pipes["1f1b"].profile(staged["1f1b"], batch, steps=profile_steps),
