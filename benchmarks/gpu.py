@@ -1,6 +1,7 @@
 """The B/W split and memory benchmarks at realistic sizes (GPT width 4096) on a GPU.
 
-Three parts, in this order, written to finish in under 5 minutes on one H100/H200-class GPU:
+Five parts, in this order (the last needs 2 or more GPUs), written to finish in under 5
+minutes on one H100/H200-class GPU:
 
 1. **Per-tick overhead** of the lowered tick loop (a ``lax.cond`` per action inside a
    ``lax.scan`` may cost a host round trip per tick on a GPU): gpipe steps of a width-8 MLP,
@@ -10,10 +11,15 @@ Three parts, in this order, written to finish in under 5 minutes on one H100/H20
    ``--chain`` calls before it waits, so the host's dispatch overlaps the GPU's work as in a
    pipeline step; then each program's GPU kernel time from a ``jax.profiler`` trace, GEMM
    kernels apart from the rest (``--dump DIR`` also writes each program's HLO and trace).
-3. **Memory** (``memory.py``) at width 4096: with 4 or more GPUs, the compiled per-device memory
+3. **B/W split in the step** (``bw_in_step.py``) at width 4096, on one GPU: the MLP and the
+   GPT cut into 3 stages and pipelined on one device by ``dag-zb`` (every backward split)
+   against the same schedule with every backward fused, alternating rounds: what the split
+   adds to the backward inside the compiled step, and each stage's B + W over BW from traces
+   (those need the command buffers off, as in part 5).
+4. **Memory** (``memory.py``) at width 4096: with 4 or more GPUs, the compiled per-device memory
    of every schedule's pipeline step; with fewer, the compiled memory of one stage's F, B, W
    and BW programs (what M_B and M_W are at this size) and every schedule's predicted peak.
-4. **Step time** (``step_time.py``'s question, with 2 or more GPUs): ``step_time``'s MLP at
+5. **Step time** (``step_time.py``'s question, with 2 or more GPUs): ``step_time``'s MLP at
    width 4096 on the first 2 GPUs, every schedule planned by the stage costs measured alone
    (``pipe.measure_costs``), alternating rounds, measured ratio to 1f1b next to the
    simulator's and the lockstep model's; then 1f1b and zb-h2 profiled in the step
@@ -50,6 +56,7 @@ import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bw_in_step
 import bw_split
 import memory
 import step_time
@@ -78,6 +85,11 @@ REALISTIC_MEMORY = memory.Model(
     d_model=4096, num_heads=32, seq_len=1024, vocab_size=32000, num_layers=8, microbatch_rows=1
 )
 MEMORY_MICROBATCHES = 8
+#: The B/W split in the step: the first models of ``bw_in_step.reference_models`` (the MLP
+#: and the GPT; the scanned GPT's stages are the GPT's).
+IN_STEP_MODELS = 2
+#: ... and about this long per model for its alternating rounds (``bw_in_step.measure``).
+IN_STEP_SECONDS = 20.0
 #: The step-time part: ``step_time``'s MLP at width 4096 (4 layers per GPU, 4096 rows per
 #: microbatch), these schedules, m microbatches, on 2 GPUs.
 STEP_SETUP = step_time.Setup(width=4096, layers_per_stage=4, microbatch_rows=4096)
@@ -87,6 +99,31 @@ STEP_MICROBATCHES = 8
 TRACED_CALLS = 3
 # Kernels from a matrix library (cuBLAS, cuBLASLt, CUTLASS) or XLA's own Triton GEMMs.
 GEMM_KERNEL = re.compile(r"gemm|xmma|cutlass|cublas|wgmma|matmul", re.IGNORECASE)
+
+
+def in_step_split_section(
+    sizes: bw_split.Sizes, rounds: int, profiles: int, seconds: float = IN_STEP_SECONDS
+) -> str:
+    """Returns the B/W split in the compiled step on one device (``bw_in_step``) for the MLP
+    and the GPT at ``sizes`` (at least ``rounds`` rounds, more while ``seconds`` last)."""
+    results = [
+        bw_in_step.measure(model, rounds, profiles, seconds=seconds)
+        for model in bw_in_step.reference_models(sizes)[:IN_STEP_MODELS]
+    ]
+    return "\n".join(
+        [
+            f"**B/W split in the step** (one device, m = {bw_in_step.MICROBATCHES}: `dag-zb` "
+            "over the 3 stages, every backward split, against the same schedule with every "
+            f"backward fused; at least {rounds} alternating rounds, more while {seconds:g} s "
+            f"last; {profiles} profile(s) of each; see "
+            "the bw_in_step section; traced columns need "
+            "`XLA_FLAGS=--xla_gpu_enable_command_buffer=`):",
+            "",
+            bw_in_step.table(results),
+            "",
+            bw_in_step.target_line(results),
+        ]
+    )
 
 
 def tick_overhead_section(rounds: int) -> str:
@@ -384,7 +421,7 @@ def step_time_section(setup: step_time.Setup, m: int, rounds: int, profile_steps
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Returns 0 after running the three parts (2 when there is no GPU and no --cpu-smoke)."""
+    """Returns 0 after running every part (2 when there is no GPU and no --cpu-smoke)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU, no writes")
     parser.add_argument("--repeats", type=int, default=15)
@@ -416,6 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = bw_split.SMOKE_SIZES if smoke else REALISTIC
     parts.append(bw_split_section(sizes, repeats, 2 if smoke else args.chain, args.dump))
     print(parts[-1], flush=True)
+    parts.append(
+        in_step_split_section(sizes, 3 if smoke else 11, 1, 0.0 if smoke else IN_STEP_SECONDS)
+    )
+    print(parts[-1], flush=True)
     model = memory.SMOKE_MODEL if smoke else REALISTIC_MEMORY
     if len(jax.devices()) >= memory.NUM_DEVICES and not smoke:
         parts.append(pipeline_memory_section(model))
@@ -433,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = jax.devices()[0]
     body = "\n\n".join(
         [
-            "## GPU: per-tick overhead, B/W split, memory and step time at width 4096",
+            "## GPU: per-tick overhead, B/W split (alone and in the step), memory and step time at "
+            "width 4096",
             f"Made by `{COMMAND}` on {len(jax.devices())} x {device.device_kind} "
             f"(jax {jax.__version__}). Timings are medians; see the bw_split and memory "
             "sections for what each column means.",

@@ -16,6 +16,7 @@ run benchmarks/schedules.py
 run benchmarks/lockstep.py
 if [ -f benchmarks/graphpipe.py ]; then run benchmarks/graphpipe.py; fi
 run benchmarks/bw_split.py
+run benchmarks/bw_in_step.py
 run benchmarks/slot_writes.py
 run benchmarks/stash_reads.py
 run benchmarks/memory.py

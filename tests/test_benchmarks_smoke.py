@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import buffers  # noqa: E402
+import bw_in_step  # noqa: E402
 import bw_split  # noqa: E402
 import gpu  # noqa: E402
 import in_context  # noqa: E402
@@ -40,6 +41,44 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
         bw_split.measure_prepared(case.label, bw_split.prepare(case), repeats=2, chain=0)
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
     assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
+
+
+def test_bw_in_step_times_split_against_fused_steps_that_differ_only_in_the_split():
+    schedules_of = bw_in_step.variants()
+    fused = schedules_of[bw_in_step.FUSED]
+    m, n = bw_in_step.MICROBATCHES, bw_in_step.NUM_STAGES
+    every = [(s, mb) for s in range(n) for mb in range(m)]
+    for name in (bw_in_step.SPLIT, bw_in_step.DEFERRED):
+        split = schedules_of[name]
+        # One device runs every stage's F, B and W of every microbatch, no BW.
+        assert len(split.actions) == 1
+        acts = [(a.kind, a.stage, a.microbatch) for a in split.actions[0]]
+        for kind in ("F", "B", "W"):
+            assert sorted((s, mb) for k, s, mb in acts if k == kind) == every
+        assert not any(k == "BW" for k, _, _ in acts)
+        # Fused: every B of the split schedule is a BW where it stands, every W gone.
+        assert [(a.kind, a.stage, a.microbatch) for a in fused.actions[0]] == [
+            ("BW" if k == "B" else k, s, mb) for k, s, mb in acts if k != "W"
+        ]
+    # Deferred: microbatch 0's W run after microbatch 1's forwards.
+    deferred = [(a.kind, a.microbatch) for a in schedules_of[bw_in_step.DEFERRED].actions[0]]
+    assert deferred.index(("W", 0)) > max(i for i, a in enumerate(deferred) if a == ("F", 1))
+    model = bw_in_step.reference_models(bw_split.SMOKE_SIZES)[0]
+    result = bw_in_step.measure(model, rounds=2, profiles=1, steps=1)
+    assert set(result.times) == set(schedules_of)
+    assert all(len(t) == 2 and min(t) > 0 for t in result.times.values())
+    assert result.backward_seconds() > 0
+    for name in (bw_in_step.SPLIT, bw_in_step.DEFERRED):
+        # On CPU the traces name every action, so every stage's ratio and the backward's exist.
+        assert all(result.stage_ratio(name, s) > 0 for s in range(n))
+        assert result.backward_ratio(name) is not None
+        assert result.traced_extra_seconds(name) is not None
+    rows = bw_in_step.table([result]).splitlines()[2:]
+    assert len(rows) == 2
+    for row, name in zip(rows, (bw_in_step.SPLIT, bw_in_step.DEFERRED), strict=True):
+        cells = row.strip("| ").split(" | ")
+        assert cells[:3] == [model.label, name, "2"] and len(cells) == 12 and "–" not in cells
+    assert "Worst backward split / fused" in bw_in_step.target_line([result])
 
 
 def test_stash_reads_times_transposes_and_w_both_ways():
