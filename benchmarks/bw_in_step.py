@@ -110,12 +110,18 @@ class Result:
             return None
         return statistics.median(runs)
 
+    def stage_parts(self, variant: str, stage: int) -> tuple[float, float, float] | None:
+        """Returns the traces' B and W of ``stage`` in split ``variant``'s step and its BW in
+        the fused step, or None where the traces lack one."""
+        b, w = (self.stage_seconds(variant, k, stage) for k in ("B", "W"))
+        bw = self.stage_seconds(FUSED, "BW", stage)
+        return None if b is None or w is None or bw is None else (b, w, bw)
+
     def stage_ratio(self, variant: str, stage: int) -> float | None:
         """Returns (B + W) / BW of ``stage`` in the step of split ``variant``, from the
         traces."""
-        b, w = (self.stage_seconds(variant, k, stage) for k in ("B", "W"))
-        bw = self.stage_seconds(FUSED, "BW", stage)
-        return None if None in (b, w, bw) else (b + w) / bw
+        parts = self.stage_parts(variant, stage)
+        return None if parts is None else (parts[0] + parts[1]) / parts[2]
 
     def backward_seconds(self) -> float | None:
         """Returns the fused backward's time per microbatch in the step: the stages' BW."""
@@ -131,14 +137,10 @@ class Result:
     def traced_extra_seconds(self, variant: str) -> float | None:
         """Returns split ``variant``'s extra time per microbatch as the traces time the
         actions: the stages' B + W − BW."""
-        parts = []
-        for s in range(NUM_STAGES):
-            b, w = (self.stage_seconds(variant, k, s) for k in ("B", "W"))
-            bw = self.stage_seconds(FUSED, "BW", s)
-            if None in (b, w, bw):
-                return None
-            parts.append(b + w - bw)
-        return sum(parts)
+        stages = [self.stage_parts(variant, s) for s in range(NUM_STAGES)]
+        if any(parts is None for parts in stages):
+            return None
+        return sum(b + w - bw for b, w, bw in stages)
 
     def backward_ratio(self, variant: str) -> float | None:
         """Returns the backward's split overhead in the step of split ``variant``: 1 + extra
