@@ -31,7 +31,9 @@ minutes on one H100/H200-class GPU:
 Writes the section "gpu" of ``benchmarks/RESULTS.md``. Without a GPU it refuses (exit 2);
 ``--cpu-smoke`` runs every part at toy sizes on CPU and prints, writing nothing.
 
-Run: ``python benchmarks/gpu.py`` on a GPU machine (``--cpu-smoke`` to check it on CPU).
+Run: ``python benchmarks/gpu.py`` on a GPU machine (``--cpu-smoke`` to check it on CPU;
+``--parts in-step,memory`` runs only those parts, ``tick``, ``split``, ``in-step``, ``memory``
+and ``step-time`` in that order, and writes a section of its own, "gpu-in-step-memory").
 """
 
 from __future__ import annotations
@@ -420,10 +422,40 @@ def step_time_section(setup: step_time.Setup, m: int, rounds: int, profile_steps
     )
 
 
+#: The parts, by the names ``--parts`` takes, in the order they run.
+PARTS = ("tick", "split", "in-step", "memory", "step-time")
+
+
+def chosen_parts(text: str) -> tuple[str, ...]:
+    """Returns the parts ``--parts`` names (comma-separated), in running order; raises
+    ValueError naming the parts there are for an unknown one."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PARTS]
+    if unknown or not names:
+        raise ValueError(
+            f"--parts {text!r}: {'unknown ' + ', '.join(unknown) if unknown else 'none named'}; "
+            f"name some of {', '.join(PARTS)}, comma-separated"
+        )
+    return tuple(part for part in PARTS if part in names)
+
+
+def section_name(parts: Sequence[str]) -> str:
+    """Returns the RESULTS.md section a run of ``parts`` writes: "gpu" for every part, else a
+    section of its own, so a partial run leaves the full one in place."""
+    return "gpu" if tuple(parts) == PARTS else "gpu-" + "-".join(parts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Returns 0 after running every part (2 when there is no GPU and no --cpu-smoke)."""
+    """Returns 0 after running the chosen parts (2 when there is no GPU and no --cpu-smoke,
+    or for unknown parts)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU, no writes")
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"which parts to run, comma-separated, of {', '.join(PARTS)} (default: all); a "
+        "partial run writes a section of its own",
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
         "--chain", type=int, default=4, help="B/W split: calls queued per timed sample"
@@ -432,6 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dump", type=Path, default=None, help="write each traced program's HLO and trace here"
     )
     args = parser.parse_args(argv)
+    try:
+        run = chosen_parts(args.parts)
+    except ValueError as err:
+        parser.error(str(err))
     if args.cpu_smoke:
         jax.config.update("jax_num_cpu_devices", memory.NUM_DEVICES)
     backend = jax.default_backend()
@@ -446,37 +482,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     smoke = args.cpu_smoke
     repeats = 3 if smoke else args.repeats
-    parts = [tick_overhead_section(rounds=3 if smoke else 11)]
-    print(parts[-1], flush=True)
+    parts = []
+    if "tick" in run:
+        parts.append(tick_overhead_section(rounds=3 if smoke else 11))
+        print(parts[-1], flush=True)
     if args.dump is not None:
         args.dump.mkdir(parents=True, exist_ok=True)
     sizes = bw_split.SMOKE_SIZES if smoke else REALISTIC
-    parts.append(bw_split_section(sizes, repeats, 2 if smoke else args.chain, args.dump))
-    print(parts[-1], flush=True)
-    parts.append(
-        in_step_split_section(sizes, 3 if smoke else 11, 1, 0.0 if smoke else IN_STEP_SECONDS)
-    )
-    print(parts[-1], flush=True)
-    model = memory.SMOKE_MODEL if smoke else REALISTIC_MEMORY
-    if len(jax.devices()) >= memory.NUM_DEVICES and not smoke:
-        parts.append(pipeline_memory_section(model))
-    else:
-        parts.append(stage_memory_section(model))
-    print(parts[-1], flush=True)
-    if len(jax.devices()) >= step_time.NUM_DEVICES:
-        setup = step_time.SMOKE_SETUP if smoke else STEP_SETUP
-        parts.append(
-            step_time_section(
-                setup, 4 if smoke else STEP_MICROBATCHES, 3 if smoke else 11, 1 if smoke else 3
+    if "split" in run:
+        parts.append(bw_split_section(sizes, repeats, 2 if smoke else args.chain, args.dump))
+        print(parts[-1], flush=True)
+    if "in-step" in run:
+        seconds = 0.0 if smoke else IN_STEP_SECONDS
+        parts.append(in_step_split_section(sizes, 3 if smoke else 11, 1, seconds))
+        print(parts[-1], flush=True)
+    if "memory" in run:
+        model = memory.SMOKE_MODEL if smoke else REALISTIC_MEMORY
+        if len(jax.devices()) >= memory.NUM_DEVICES and not smoke:
+            parts.append(pipeline_memory_section(model))
+        else:
+            parts.append(stage_memory_section(model))
+        print(parts[-1], flush=True)
+    if "step-time" in run:
+        if len(jax.devices()) >= step_time.NUM_DEVICES:
+            setup = step_time.SMOKE_SETUP if smoke else STEP_SETUP
+            parts.append(
+                step_time_section(
+                    setup, 4 if smoke else STEP_MICROBATCHES, 3 if smoke else 11, 1 if smoke else 3
+                )
             )
-        )
+        else:
+            parts.append(
+                f"**Step time**: not run; it needs {step_time.NUM_DEVICES} or more devices, "
+                f"and {len(jax.devices())} is here."
+            )
         print(parts[-1], flush=True)
     device = jax.devices()[0]
     body = "\n\n".join(
         [
             "## GPU: per-tick overhead, B/W split (alone and in the step), memory and step time at "
             "width 4096",
-            f"Made by `{COMMAND}` on {len(jax.devices())} x {device.device_kind} "
+            f"Made by `{COMMAND}{'' if run == PARTS else ' --parts ' + ','.join(run)}` on "
+            f"{len(jax.devices())} x {device.device_kind} "
             f"(jax {jax.__version__}). Timings are medians; see the bw_split and memory "
             "sections for what each column means.",
             *parts,
@@ -486,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if smoke:
         print(f"--cpu-smoke: not writing RESULTS.md ({time.perf_counter() - began:.0f} s)")
         return 0
-    path = write_section("gpu", body)
+    path = write_section(section_name(run), body)
     print(f"wrote {path}")
     return 0
 

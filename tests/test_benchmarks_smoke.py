@@ -264,6 +264,19 @@ def test_gpu_script_refuses_politely_without_a_gpu(capsys):
     assert "--cpu-smoke" in capsys.readouterr().err
 
 
+def test_gpu_script_runs_the_parts_named_and_refuses_unknown_ones(capsys):
+    assert gpu.chosen_parts("memory, in-step") == ("in-step", "memory")  # in running order
+    assert gpu.section_name(gpu.PARTS) == "gpu"
+    assert gpu.section_name(("in-step", "memory")) == "gpu-in-step-memory"
+    for bad in ("in-step,bogus", " , "):
+        with pytest.raises(ValueError, match="name some of tick, split, in-step"):
+            gpu.chosen_parts(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--parts", "bogus"])
+    assert exit_info.value.code == 2
+    assert "unknown bogus" in capsys.readouterr().err
+
+
 def test_gpu_step_time_part_times_every_schedule_and_predicts_from_in_step_costs():
     # gpu.py's part for 2 or more GPUs, at toy sizes on 2 CPU devices.
     text = gpu.step_time_section(step_time.SMOKE_SETUP, m=4, rounds=2, profile_steps=1)
