@@ -32,8 +32,9 @@ Writes the section "gpu" of ``benchmarks/RESULTS.md``. Without a GPU it refuses 
 ``--cpu-smoke`` runs every part at toy sizes on CPU and prints, writing nothing.
 
 Run: ``python benchmarks/gpu.py`` on a GPU machine (``--cpu-smoke`` to check it on CPU;
-``--parts in-step,memory`` runs only those parts, ``tick``, ``split``, ``in-step``, ``memory``
-and ``step-time`` in that order, and writes a section of its own, "gpu-in-step-memory").
+``--parts in-step,memory`` runs only the parts named, of ``tick``, ``split``, ``in-step``,
+``memory`` and ``step-time``, always in that order, and writes them to a section of their
+own, here "gpu-in-step-memory").
 """
 
 from __future__ import annotations
@@ -514,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             parts.append(
                 f"**Step time**: not run; it needs {step_time.NUM_DEVICES} or more devices, "
-                f"and {len(jax.devices())} is here."
+                f"and only {len(jax.devices())} is here."
             )
         print(parts[-1], flush=True)
     device = jax.devices()[0]
