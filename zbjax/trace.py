@@ -220,12 +220,12 @@ class ActionTimes:
         its actions cost inside the step rather than alone (``pipeline(costs=...)``). A
         profile of a schedule that runs a stage's backward fused gives its BW, one that
         splits it its B and W: chain two profiles' ``costs`` for all three."""
-        ran: dict[tuple[str, int], float] = {}
-        for scope in self.runs:
-            if any(scope in s for s in self.seconds.values()):
-                kind, stage = scope.split(" s")
-                ran[kind, int(stage)] = self.per_run(scope)
-        n = 1 + max(int(scope.split(" s")[1]) for scope in self.runs)
+        ran = {
+            scope_kind_stage(scope): self.per_run(scope)
+            for scope in self.runs
+            if any(scope in s for s in self.seconds.values())
+        }
+        n = 1 + max(scope_kind_stage(scope)[1] for scope in self.runs)
         f, b, w = (list(t) for t in base.per_stage(n))
         for (kind, stage), seconds in ran.items():
             if kind != "BW":
@@ -275,20 +275,26 @@ class ActionTimes:
         return "\n".join(lines)
 
 
+def scope_kind_stage(scope: str) -> tuple[str, int]:
+    """Returns the kind and stage of an action scope: ``"W s1"`` -> ``("W", 1)``."""
+    kind, stage = scope.split(" s")
+    return kind, int(stage)
+
+
 def scope_order(scope: str) -> tuple[int, int]:
     """Returns the sort key of an action scope (``"W s1"``): by stage, then F, B, W, BW."""
-    kind, stage = scope.split(" s")
-    return int(stage), ("F", "B", "W", "BW").index(kind)
+    kind, stage = scope_kind_stage(scope)
+    return stage, ("F", "B", "W", "BW").index(kind)
 
 
 def scope_cost(costs: Costs, scope: str) -> float:
     """Returns the time ``costs`` gives the action ``scope`` (``"W s1"``): what
     ``Pipeline.measure_costs`` measured for it alone, to set beside ``ActionTimes.per_run``."""
-    kind, stage = scope.split(" s")
+    kind, stage = scope_kind_stage(scope)
     times = {"F": costs.f, "B": costs.b, "W": costs.w, "BW": costs.bw}[kind]
     if times is None:
         raise PipelineError(f"the costs hold no fused backward time for {scope!r}")
-    return times[int(stage)]
+    return times[stage]
 
 
 def action_runs(schedule: Schedule) -> dict[str, int]:
