@@ -1,5 +1,6 @@
 """The release shims in zbjax._jax_compat: shard_map without zero-size operands, row updates
-without scatters, and scan params on jax 0.10 (counts) and 0.11 (flat trees).
+without scatters, and scan params on jax 0.10 (counts) and 0.11 (flat trees); and the jaxpr
+pass that merges a dot's adjacent contracting dimensions into one.
 
 Each of these crashed or broke on jax 0.11.2 before its shim: a zero-size shard_map operand and
 a whole-array ``.at[a:b]`` update inside shard_map both segfault Shardy's partitioner while
@@ -12,7 +13,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from zbjax._jax_compat import add_rows, scan_counts, scan_params, set_rows, shard_map
+from zbjax._jax_compat import (
+    add_rows,
+    merge_contracting_dims,
+    scan_counts,
+    scan_params,
+    set_rows,
+    shard_map,
+)
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -116,3 +124,92 @@ def test_scan_params_describe_a_body_with_other_counts():
     outs = eqn.primitive.bind(jnp.float32(2.0), jnp.arange(3.0), **params)
     np.testing.assert_array_equal(outs[0], 2.0 + jnp.arange(3.0))
     np.testing.assert_array_equal(outs[1], 2.0 * jnp.arange(3.0))
+
+
+def _contracting_counts(closed):
+    """The number of contracting dimensions of every dot_general, control-flow bodies too."""
+    counts = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                counts.append(len(eqn.params["dimension_numbers"][0][0]))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+
+    walk(closed.jaxpr)
+    return counts
+
+
+def _dense_weight_gradient(x, dy):
+    w = jnp.zeros((x.shape[-1], dy.shape[-1]), x.dtype)
+    return jax.vjp(lambda w: x @ w, w)[1](dy)[0]
+
+
+def test_merged_weight_gradient_contracts_one_dimension_and_equals_jax():
+    x = jax.random.normal(jax.random.key(0), (4, 6, 8))
+    dy = jax.random.normal(jax.random.key(1), (4, 6, 5))
+    closed = jax.make_jaxpr(_dense_weight_gradient)(x, dy)
+    # the forward's x @ w, then the weight gradient, which contracts (batch, seq) together
+    assert _contracting_counts(closed) == [1, 2]
+    merged = merge_contracting_dims(closed)
+    assert _contracting_counts(merged) == [1, 1]
+    assert merged.out_avals == closed.out_avals
+    want = jax.jit(jax.extend.core.jaxpr_as_fun(closed))(x, dy)[0]
+    got = jax.jit(jax.extend.core.jaxpr_as_fun(merged))(x, dy)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, jnp.einsum("bsi,bso->io", x, dy), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "lhs_shape, rhs_shape, dims, merged_count",
+    [
+        # contracting (1, 2) after a batch dim 0: the batch dims stay where they are
+        ((3, 4, 5, 6), (3, 4, 5, 7), (((1, 2), (1, 2)), ((0,), (0,))), 1),
+        # contracting dims before a batch dim: the batch dims shift down
+        ((4, 5, 3, 6), (3, 4, 5, 7), (((0, 1), (1, 2)), ((2,), (0,))), 1),
+        # three adjacent dims, listed out of order but paired alike in both operands
+        ((2, 3, 4, 6), (2, 3, 4, 5), (((2, 0, 1), (2, 0, 1)), ((), ())), 1),
+        # not adjacent in the lhs: left as it is
+        ((4, 6, 5), (4, 5, 7), (((0, 2), (0, 1)), ((), ())), 2),
+        # adjacent in both, but paired in opposite orders: left as it is
+        ((4, 5, 6), (5, 4, 7), (((0, 1), (1, 0)), ((), ())), 2),
+    ],
+)
+def test_merge_contracting_dims_keeps_every_dot_equal(lhs_shape, rhs_shape, dims, merged_count):
+    lhs = jax.random.normal(jax.random.key(2), lhs_shape)
+    rhs = jax.random.normal(jax.random.key(3), rhs_shape)
+    closed = jax.make_jaxpr(lambda a, b: jax.lax.dot_general(a, b, dims))(lhs, rhs)
+    merged = merge_contracting_dims(closed)
+    assert _contracting_counts(merged) == [merged_count]
+    if merged_count > 1:
+        assert merged is closed  # nothing to merge: not even re-traced
+    got = jax.extend.core.jaxpr_as_fun(merged)(lhs, rhs)[0]
+    np.testing.assert_allclose(got, jax.lax.dot_general(lhs, rhs, dims), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_contracting_dims_rewrites_scan_and_cond_bodies():
+    xs = jax.random.normal(jax.random.key(4), (3, 4, 6, 8))
+    dys = jax.random.normal(jax.random.key(5), (3, 4, 6, 5))
+
+    def fn(xs, dys, flag):
+        def step(carry, pair):
+            x, dy = pair
+            g = jax.lax.cond(
+                flag, _dense_weight_gradient, lambda x, dy: -_dense_weight_gradient(x, dy), x, dy
+            )
+            return carry + g, g
+
+        return jax.lax.scan(step, jnp.zeros((8, 5)), (xs, dys))
+
+    closed = jax.make_jaxpr(fn)(xs, dys, True)
+    assert _contracting_counts(closed) == [1, 2, 1, 2]  # per cond branch: forward, gradient
+    merged = merge_contracting_dims(closed)
+    assert _contracting_counts(merged) == [1, 1, 1, 1]
+    for flag in (True, False):
+        want = jax.extend.core.jaxpr_as_fun(closed)(xs, dys, flag)
+        got = jax.extend.core.jaxpr_as_fun(merged)(xs, dys, flag)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

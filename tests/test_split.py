@@ -1,5 +1,7 @@
 """F/B/W split: B then W equals the fused backward and jax.vjp, with no recomputed matmul."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,6 +231,22 @@ def test_transformer_block_with_layer_norm_softmax_and_einsum():
     program = run_and_check(block, params, [], inputs)
     # Every projection's weight gradient is W work, not B work.
     assert program.flops_backward_weight >= 2 * B * S * (4 * D * D + 2 * D * H)
+    # JAX contracts a projection's weight gradient over (batch, seq) at once; the split merges
+    # the two into one dimension, so XLA need not transpose the cotangent first. Only dots
+    # whose contracting dimensions are not adjacent in an operand keep several.
+    for closed in (program.forward, program.backward, program.backward_weight):
+        for eqn in closed.jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (lhs, rhs), _ = eqn.params["dimension_numbers"]
+                pairs = sorted(zip(lhs, rhs, strict=True))
+                adjacent = all(b == a + 1 for a, b in itertools.pairwise(sorted(lhs))) and all(
+                    p[1] + 1 == q[1] for p, q in itertools.pairwise(pairs)
+                )
+                assert len(lhs) == 1 or not adjacent, eqn
+    weight_dots = [
+        e for e in program.backward_weight.jaxpr.eqns if e.primitive.name == "dot_general"
+    ]
+    assert len(weight_dots) >= 6  # wq, wk, wv, wo, w1, w2
 
 
 def test_first_stage_embedding_lookup_has_no_input_cotangent_and_all_backward_is_w():

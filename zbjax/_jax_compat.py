@@ -8,6 +8,8 @@ in your own section.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -399,6 +401,92 @@ def _retrace_cond(params: dict, invals: list) -> list:
 
 
 _RETRACE_RULES = {"scan": _retrace_scan, "while": _retrace_while, "cond": _retrace_cond}
+
+
+def merge_contracting_dims(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Returns an equivalent ClosedJaxpr whose ``dot_general``s contract over one dimension.
+
+    JAX differentiates ``x @ w`` (``x`` of shape ``[batch, seq, d]``) into a weight gradient
+    that contracts ``x`` and the output cotangent over ``(batch, seq)`` together. XLA turns a
+    dot with several contracting dimensions into a plain matmul by transposing its operands so
+    that the contracting dimensions come last, a full copy of each operand (on XLA:CPU an
+    untiled loop, slower than the matmul itself). Where the contracting dimensions are
+    adjacent in both operands, in the same order, merging them with a ``reshape`` (free in a
+    row-major layout) gives the same contraction with no transpose. Other dots, and
+    everything else, are left as they are; bodies of control flow and calls are rewritten
+    too. The jaxpr is re-traced only when it holds a dot to merge.
+    """
+    if not _has_mergeable_dot(closed.jaxpr):
+        return closed
+
+    def run(*args: Any) -> list[Any]:
+        return _interpret(closed.jaxpr, closed.consts, args, _eval_merged)
+
+    return jax.make_jaxpr(run)(*_shape_structs(closed.in_avals))
+
+
+def _contracting_run(dimension_numbers: Any) -> tuple[int, int, int] | None:
+    """Returns (first lhs dim, first rhs dim, count) when a dot contracts over several
+    dimensions that are adjacent and in the same order in both operands, else None."""
+    (lhs_contracting, rhs_contracting), _ = dimension_numbers
+    if len(lhs_contracting) < 2:
+        return None
+    pairs = sorted(zip(lhs_contracting, rhs_contracting, strict=True))
+    for (l0, r0), (l1, r1) in itertools.pairwise(pairs):
+        if l1 != l0 + 1 or r1 != r0 + 1:
+            return None
+    return pairs[0][0], pairs[0][1], len(pairs)
+
+
+def _has_mergeable_dot(jaxpr: Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            if _contracting_run(eqn.params["dimension_numbers"]) is not None:
+                return True
+        elif any(_has_mergeable_dot(sub) for sub in _jaxprs_in(eqn.params)):
+            return True
+    return False
+
+
+def _merged_operand(x: Any, first: int, count: int) -> Any:
+    shape = x.shape
+    merged = math.prod(shape[first : first + count])
+    return jax.lax.reshape(x, (*shape[:first], merged, *shape[first + count :]))
+
+
+def _eval_merged(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+    params = eqn.params
+    if eqn.primitive.name == "dot_general":
+        run = _contracting_run(params["dimension_numbers"])
+        if run is not None:
+            lhs_first, rhs_first, count = run
+            _, (lhs_batch, rhs_batch) = params["dimension_numbers"]
+
+            def shifted(dims: Sequence[int], first: int) -> tuple[int, ...]:
+                return tuple(d if d < first else d - count + 1 for d in dims)
+
+            merged = (
+                ((lhs_first,), (rhs_first,)),
+                (shifted(lhs_batch, lhs_first), shifted(rhs_batch, rhs_first)),
+            )
+            lhs = _merged_operand(invals[0], lhs_first, count)
+            rhs = _merged_operand(invals[1], rhs_first, count)
+            return [eqn.primitive.bind(lhs, rhs, **dict(params, dimension_numbers=merged))]
+    else:
+        rewritten = {k: _merged_param(v) for k, v in params.items()}
+        if any(rewritten[k] is not v for k, v in params.items()):
+            eqn = replace_equation(eqn, eqn.invars, eqn.outvars, rewritten)
+    outs = _bind_like(eqn, invals)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _merged_param(value: Any) -> Any:
+    if isinstance(value, ClosedJaxpr):
+        return merge_contracting_dims(value)
+    if isinstance(value, tuple) and any(isinstance(v, ClosedJaxpr) for v in value):
+        merged = tuple(_merged_param(v) for v in value)
+        return value if all(m is v for m, v in zip(merged, value, strict=True)) else merged
+    return value
 
 
 # ----------------------------------------------------------------------------------------------

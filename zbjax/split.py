@@ -38,6 +38,7 @@ from zbjax._jax_compat import (
     is_drop_var,
     is_literal,
     make_closed_jaxpr,
+    merge_contracting_dims,
     new_var,
     replace_equation,
     scan_counts,
@@ -213,7 +214,10 @@ def _forward_and_backward(stage: Stage, roles: _Roles) -> tuple[ClosedJaxpr, Clo
         forward_full.jaxpr.constvars,
         forward_full.consts,
     )
-    return _drop_unread_residuals(forward_unique, backward_full, num_outputs)
+    forward, backward = _drop_unread_residuals(forward_unique, backward_full, num_outputs)
+    # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
+    # merged into one they need no transposed copy of the cotangent (in BW, B and W alike).
+    return merge_contracting_dims(forward), merge_contracting_dims(backward)
 
 
 @dataclass(frozen=True)
