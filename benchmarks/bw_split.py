@@ -37,7 +37,7 @@ from zbjax.profile import (
     stash_forwarded,
     weight_apart,
 )
-from zbjax.split import split
+from zbjax.split import split, split_stage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E402
@@ -75,6 +75,10 @@ class Measurement:
     activation_bytes: int
     new_stash_bytes: int
     repeats: int
+    # BW with every dot as JAX traced it (``split_stage(merge_contracting=False)``), timed in
+    # the same rounds, and the median over rounds of BW / that; None where not measured.
+    unmerged_s: float | None = None
+    merge_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,13 +186,20 @@ class Prepared:
     args: list  # B's and BW's arguments
     residuals: list  # the residuals among them (W's first argument)
     new: Any  # the stash values B wrote for W (W's second argument)
+    unmerged: Any = None  # BW with the dots as JAX traced them (contracting dims not merged)
 
 
-def prepare(case: Case) -> Prepared:
-    """Returns ``case``'s stage split into B and W, each looped, and their arguments."""
+def prepare(case: Case, unmerged: bool = False) -> Prepared:
+    """Returns ``case``'s stage split into B and W, each looped, and their arguments; with
+    ``unmerged``, also its BW with the dots as JAX traced them."""
     graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
     programs = split(graph)
     program = programs[case.stage_index]
+    as_traced = None
+    if unmerged:
+        plain = split_stage(graph.stages[case.stage_index], merge_contracting=False)
+        assert plain.backward.in_avals == program.backward.in_avals
+        as_traced = looped(jaxpr_as_fun(plain.backward))
     args = stage_arguments(
         graph,
         programs,
@@ -212,13 +223,15 @@ def prepare(case: Case) -> Prepared:
         args,
         args[: len(program.residual_avals)],
         new,
+        as_traced,
     )
 
 
-def measure(case: Case, repeats: int, chain: int = 1) -> Measurement:
+def measure(case: Case, repeats: int, chain: int = 1, unmerged: bool = False) -> Measurement:
     """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs
-    (``chain``: see ``measure_prepared``)."""
-    return measure_prepared(case.label, prepare(case), repeats, chain)
+    (``chain``: see ``measure_prepared``; ``unmerged``: also time BW with the dots as JAX
+    traced them)."""
+    return measure_prepared(case.label, prepare(case, unmerged), repeats, chain)
 
 
 def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> Measurement:
@@ -260,15 +273,20 @@ def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> M
     def bw() -> Any:
         return backward(*args)
 
-    for _ in range(3):  # compile and warm up all three
+    def as_traced() -> Any:
+        return p.unmerged(*args)
+
+    for _ in range(3):  # compile and warm up all three (four)
         queue(b, w)
         queue(bw)
+        if p.unmerged is not None:
+            queue(as_traced)
     # B, then W, each waited for, tell how the time divides (timed apart from the pairs).
     b_times, w_times = [], []
     for _ in range(repeats):
         b_times.append(queue(b))
         w_times.append(queue(w))
-    split_times, fused_times = [], []
+    split_times, fused_times, unmerged_times = [], [], []
     for r in range(repeats):
         # Alternate which variant goes first so that drift in machine load hits both alike.
         if r % 2 == 0:
@@ -277,7 +295,12 @@ def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> M
         else:
             fused_times.append(queue(bw))
             split_times.append(queue(b, w))
+        if p.unmerged is not None:
+            unmerged_times.append(queue(as_traced))
     ratios = [s / f for s, f in zip(split_times, fused_times, strict=True)]
+    merge_ratios = [
+        f / u for f, u in zip(fused_times[: len(unmerged_times)], unmerged_times, strict=True)
+    ]
     return Measurement(
         label,
         statistics.median(split_times),
@@ -296,6 +319,8 @@ def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> M
             if f is None
         ),
         repeats,
+        statistics.median(unmerged_times) if unmerged_times else None,
+        statistics.median(merge_ratios) if merge_ratios else None,
     )
 
 
@@ -314,8 +339,8 @@ def table(measurements: Sequence[Measurement], one_core: dict[str, float] | None
     rows = [
         "| stage | B then W (ms) | of which B | of which W | BW (ms) | ratio (median of pairs) "
         "| ratio, one core | B GFLOP | W GFLOP | BW GFLOP | B + W == BW | residuals MB | "
-        "stash MB | new MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "stash MB | new MB | BW, dots as traced (ms) | BW / as traced |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in measurements:
         same = "yes" if m.flops_b + m.flops_w == m.flops_bw else "NO"
@@ -326,16 +351,19 @@ def table(measurements: Sequence[Measurement], one_core: dict[str, float] | None
             f"{m.flops_b / 1e9:.3f} | "
             f"{m.flops_w / 1e9:.3f} | {m.flops_bw / 1e9:.3f} | {same} | "
             f"{m.activation_bytes / 1e6:.1f} | {m.stash_bytes / 1e6:.1f} | "
-            f"{m.new_stash_bytes / 1e6:.1f} |"
+            f"{m.new_stash_bytes / 1e6:.1f} | "
+            f"{'–' if m.unmerged_s is None else f'{m.unmerged_s * 1e3:.2f}'} | "
+            f"{'–' if m.merge_ratio is None else f'{m.merge_ratio:.3f}'} |"
         )
     return "\n".join(rows)
 
 
-def measure_all(repeats: int) -> list[Measurement]:
-    """Returns the measurement of every reference case, printing each as it finishes."""
+def measure_all(repeats: int, unmerged: bool = False) -> list[Measurement]:
+    """Returns the measurement of every reference case, printing each as it finishes
+    (``unmerged``: BW with the dots as JAX traced them too)."""
     measurements = []
     for case in reference_cases(Sizes()):
-        m = measure(case, repeats)
+        m = measure(case, repeats, unmerged=unmerged)
         print(
             f"{m.label}: split {m.split_s * 1e3:.2f} ms, fused {m.fused_s * 1e3:.2f} ms, "
             f"ratio {m.ratio:.3f}",
@@ -368,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     began = time.perf_counter()
     load_before = machine_load()
-    measurements = measure_all(args.repeats)
+    measurements = measure_all(args.repeats, unmerged=True)
     print("again, pinned to one core:", flush=True)
     one_core = one_core_ratios(args.repeats)
     load_after = machine_load()
@@ -385,10 +413,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs them: B returns the input cotangents and the stash values W needs that are "
             "not residuals; W reads those and, where F stored them, the residuals "
             "(`zbjax.split.forwarded_stash`); on CPU W reads the values B wrote inside a "
-            "conditional, as the lowering does (`zbjax.lower.read_apart`: XLA:CPU otherwise "
-            "fuses the read into the transpose the weight gradient's matmul wants and emits "
-            "it as an untiled loop, 5x its tiled transpose: `stash_reads`). BW is the fused "
-            "backward jitted as one call. "
+            "conditional, as the lowering does (`zbjax.lower.read_apart`, see `stash_reads`). "
+            "BW is the fused backward jitted as one call. All three contract each dot over "
+            "one merged dimension where JAX's contracts over several adjacent ones (the "
+            "weight gradient of a Dense layer over (batch, seq): "
+            "`zbjax._jax_compat.merge_contracting_dims`); *BW, dots as traced* is BW with "
+            "the dots as JAX traced them (`split_stage(merge_contracting=False)`), for which "
+            "XLA transposes the cotangent first, timed in the same rounds; *BW / as traced* "
+            "is the median over rounds of the ratio. "
             f"Each timed call runs its program {LOOP_RUNS} times in a loop that writes each "
             f"run's outputs into a slot of pools of {LOOP_SLOTS} slots kept between calls, as "
             "the pipeline's tick loop writes its slot pools (`zbjax.profile.looped`): XLA "

@@ -40,7 +40,34 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
     with pytest.raises(ValueError, match="chain=0"):
         bw_split.measure_prepared(case.label, bw_split.prepare(case), repeats=2, chain=0)
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
+    assert m.unmerged_s is None and m.merge_ratio is None
     assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
+
+
+def test_bw_split_also_times_bw_with_the_dots_as_jax_traced_them():
+    case = bw_split.reference_cases(bw_split.SMOKE_SIZES)[2]
+    assert case.label.startswith("GPT linen middle")
+    p = bw_split.prepare(case, unmerged=True)
+
+    def contracted(closed):
+        return [
+            len(e.params["dimension_numbers"][0][0])
+            for e in closed.jaxpr.eqns
+            if e.primitive.name == "dot_general"
+        ]
+
+    # The timed BW contracts one dimension per dot; as traced, the weight gradients two.
+    assert set(contracted(p.program.backward)) == {1}
+    as_traced = bw_split.split_stage(
+        bw_split.partition(
+            case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages
+        ).stages[case.stage_index],
+        merge_contracting=False,
+    )
+    assert 2 in contracted(as_traced.backward)
+    m = bw_split.measure_prepared(case.label, p, repeats=2)
+    assert m.unmerged_s > 0 and m.merge_ratio > 0
+    assert f"| {m.unmerged_s * 1e3:.2f} | {m.merge_ratio:.3f} |" in bw_split.table([m])
 
 
 def test_bw_in_step_times_split_against_fused_steps_that_differ_only_in_the_split():

@@ -10,6 +10,10 @@ BW's equations are then partitioned:
 - the stash = every value W reads that B computed (or that is an input of B: a residual or an
   output cotangent); B returns it after the input cotangents, and it is W's only input.
 
+Before the split, every ``dot_general`` of F and BW that contracts several adjacent dimensions
+(the weight gradient of ``x @ w`` over ``[batch, seq, d]``) contracts them merged into one,
+which spares XLA a transposed copy of the cotangent (``merge_contracting_dims``).
+
 No equation runs twice, so matmul FLOPs of B plus W equal those of BW exactly. A backward
 ``scan`` (layers run with ``lax.scan``/``nn.scan``) computes both kinds of cotangent in one
 equation; it is split into a B scan, which also stacks the per-iteration values W needs, and a
@@ -55,10 +59,19 @@ def split(graph: StageGraph) -> tuple[StageProgram, ...]:
     return tuple(split_stage(stage) for stage in graph.stages)
 
 
-def split_stage(stage: Stage) -> StageProgram:
-    """Returns the stage's forward, split backward (B, W) and fused backward programs."""
+def split_stage(stage: Stage, *, merge_contracting: bool = True) -> StageProgram:
+    """Returns the stage's forward, split backward (B, W) and fused backward programs.
+
+    ``merge_contracting=False`` keeps every ``dot_general`` as JAX traced it, instead of
+    merging adjacent contracting dimensions (``merge_contracting_dims``): to measure what the
+    merge saves.
+    """
     roles = _differentiation_roles(stage)
     forward, backward = _forward_and_backward(stage, roles)
+    if merge_contracting:
+        # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
+        # merged into one they need no transposed copy of the cotangent (in BW, B and W).
+        forward, backward = merge_contracting_dims(forward), merge_contracting_dims(backward)
     backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
     backward_weight = vmap_independent_scans(backward_weight)
     residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
@@ -214,10 +227,7 @@ def _forward_and_backward(stage: Stage, roles: _Roles) -> tuple[ClosedJaxpr, Clo
         forward_full.jaxpr.constvars,
         forward_full.consts,
     )
-    forward, backward = _drop_unread_residuals(forward_unique, backward_full, num_outputs)
-    # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
-    # merged into one they need no transposed copy of the cotangent (in BW, B and W alike).
-    return merge_contracting_dims(forward), merge_contracting_dims(backward)
+    return _drop_unread_residuals(forward_unique, backward_full, num_outputs)
 
 
 @dataclass(frozen=True)
