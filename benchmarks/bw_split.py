@@ -37,7 +37,7 @@ from zbjax.profile import (
     stash_forwarded,
     weight_apart,
 )
-from zbjax.split import split, split_stage
+from zbjax.split import UNROLL_SCAN_LENGTH, split, split_stage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E402
@@ -75,8 +75,8 @@ class Measurement:
     activation_bytes: int
     new_stash_bytes: int
     repeats: int
-    # BW with every dot as JAX traced it (``split_stage(merge_contracting=False)``), timed in
-    # the same rounds, and the median over rounds of BW / that; None where not measured.
+    # BW as JAX traced it (``split_stage(merge_contracting=False, unroll_scans=0)``), timed
+    # in the same rounds, and the median over rounds of BW / that; None where not measured.
     unmerged_s: float | None = None
     merge_ratio: float | None = None
 
@@ -186,18 +186,18 @@ class Prepared:
     args: list  # B's and BW's arguments
     residuals: list  # the residuals among them (W's first argument)
     new: Any  # the stash values B wrote for W (W's second argument)
-    unmerged: Any = None  # BW with the dots as JAX traced them (contracting dims not merged)
+    unmerged: Any = None  # BW as JAX traced it (contracting dims not merged, scans looped)
 
 
 def prepare(case: Case, unmerged: bool = False) -> Prepared:
     """Returns ``case``'s stage split into B and W, each looped, and their arguments; with
-    ``unmerged``, also its BW with the dots as JAX traced them."""
+    ``unmerged``, also its BW as JAX traced it (dots unmerged, scans not unrolled)."""
     graph = partition(case.loss_fn, case.params, case.microbatch, num_stages=case.num_stages)
     programs = split(graph)
     program = programs[case.stage_index]
     as_traced = None
     if unmerged:
-        plain = split_stage(graph.stages[case.stage_index], merge_contracting=False)
+        plain = split_stage(graph.stages[case.stage_index], merge_contracting=False, unroll_scans=0)
         assert plain.backward.in_avals == program.backward.in_avals
         as_traced = looped(jaxpr_as_fun(plain.backward))
     args = stage_arguments(
@@ -229,8 +229,7 @@ def prepare(case: Case, unmerged: bool = False) -> Prepared:
 
 def measure(case: Case, repeats: int, chain: int = 1, unmerged: bool = False) -> Measurement:
     """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs
-    (``chain``: see ``measure_prepared``; ``unmerged``: also time BW with the dots as JAX
-    traced them)."""
+    (``chain``: see ``measure_prepared``; ``unmerged``: also time BW as JAX traced it)."""
     return measure_prepared(case.label, prepare(case, unmerged), repeats, chain)
 
 
@@ -339,7 +338,7 @@ def table(measurements: Sequence[Measurement], one_core: dict[str, float] | None
     rows = [
         "| stage | B then W (ms) | of which B | of which W | BW (ms) | ratio (median of pairs) "
         "| ratio, one core | B GFLOP | W GFLOP | BW GFLOP | B + W == BW | residuals MB | "
-        "stash MB | new MB | BW, dots as traced (ms) | BW / as traced |",
+        "stash MB | new MB | BW as traced (ms) | BW / as traced |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in measurements:
@@ -360,7 +359,7 @@ def table(measurements: Sequence[Measurement], one_core: dict[str, float] | None
 
 def measure_all(repeats: int, unmerged: bool = False) -> list[Measurement]:
     """Returns the measurement of every reference case, printing each as it finishes
-    (``unmerged``: BW with the dots as JAX traced them too)."""
+    (``unmerged``: BW as JAX traced it too)."""
     measurements = []
     for case in reference_cases(Sizes()):
         m = measure(case, repeats, unmerged=unmerged)
@@ -417,10 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "BW is the fused backward jitted as one call. All three contract each dot over "
             "one merged dimension where JAX's contracts over several adjacent ones (the "
             "weight gradient of a Dense layer over (batch, seq): "
-            "`zbjax._jax_compat.merge_contracting_dims`); *BW, dots as traced* is BW with "
-            "the dots as JAX traced them (`split_stage(merge_contracting=False)`), for which "
-            "XLA transposes the cotangent first, timed in the same rounds; *BW / as traced* "
-            "is the median over rounds of the ratio. "
+            "`zbjax._jax_compat.merge_contracting_dims`), and run a scan of at most "
+            f"{UNROLL_SCAN_LENGTH} iterations unrolled (the `nn.scan` stage's 2 layers: "
+            "`zbjax._jax_compat.unroll_short_scans`); *BW as traced* is BW as JAX traced "
+            "it, dots unmerged (XLA transposes the cotangent first) and scans looped "
+            "(`split_stage(merge_contracting=False, unroll_scans=0)`), timed in the same "
+            "rounds; *BW / as traced* is the median over rounds of the ratio. "
             f"Each timed call runs its program {LOOP_RUNS} times in a loop that writes each "
             f"run's outputs into a slot of pools of {LOOP_SLOTS} slots kept between calls, as "
             "the pipeline's tick loop writes its slot pools (`zbjax.profile.looped`): XLA "

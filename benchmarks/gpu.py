@@ -147,8 +147,8 @@ def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path
     """Returns the B/W split tables at ``sizes``: wall time of B then W against BW (``chain``
     calls queued per sample, ``bw_split.measure_prepared``), and the GPU kernel time of each
     program from a profiler trace (``dump``: also write each program's HLO and trace there).
-    BW is also timed with its dots as JAX traced them (the table's last columns), which says
-    whether merging contracting dimensions pays on the GPU too."""
+    BW is also timed as JAX traced it (the table's last columns), which says whether merging
+    contracting dimensions and unrolling short scans pay on the GPU too."""
     measurements, kernel_rows, kernel_ratios = [], [], []
     for case in bw_split.reference_cases(sizes):
         p = bw_split.prepare(case, unmerged=True)

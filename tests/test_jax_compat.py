@@ -20,6 +20,7 @@ from zbjax._jax_compat import (
     scan_params,
     set_rows,
     shard_map,
+    unroll_short_scans,
 )
 
 AUTO = jax.sharding.AxisType.Auto
@@ -213,3 +214,47 @@ def test_merge_contracting_dims_rewrites_scan_and_cond_bodies():
         got = jax.extend.core.jaxpr_as_fun(merged)(xs, dys, flag)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _scan_unrolls(closed):
+    """(length, unroll) of every scan, nested ones too."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                found.append((eqn.params["length"], eqn.params["unroll"]))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def test_unroll_short_scans_unrolls_only_scans_up_to_the_length_and_keeps_values():
+    def fn(x):
+        def inner(c, _):
+            return jnp.sin(c) * 1.5, c
+
+        def outer(c, _):
+            c, ys = jax.lax.scan(inner, c, None, length=3)
+            return c, ys.sum()
+
+        c, _ = jax.lax.scan(outer, x, None, length=2)
+        return jax.lax.scan(lambda c, _: (c + 1.0, c), c, None, length=6)
+
+    x = jnp.arange(4.0)
+    closed = jax.make_jaxpr(fn)(x)
+    assert sorted(_scan_unrolls(closed)) == [(2, 1), (3, 1), (6, 1)]
+    unrolled = unroll_short_scans(closed, 3)
+    assert sorted(_scan_unrolls(unrolled)) == [(2, 2), (3, 3), (6, 1)]
+    assert [e.primitive.name for e in unrolled.jaxpr.eqns] == [
+        e.primitive.name for e in closed.jaxpr.eqns
+    ]
+    want = jax.extend.core.jaxpr_as_fun(closed)(x)
+    got = jax.jit(jax.extend.core.jaxpr_as_fun(unrolled))(x)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    assert unroll_short_scans(closed, 1) is closed  # nothing to unroll: the same jaxpr

@@ -274,6 +274,13 @@ def test_scan_over_stacked_weights_splits_the_backward_scan():
     assert batched, "W's weight gradients should be dots batched over the layers"
     assert program.flops_backward_weight == program.flops_forward
     assert program.flops_backward_input == program.flops_forward
+    # A stage's 3 layers are few: its programs run their scans unrolled, not as loops.
+    for closed in (program.forward, program.backward, program.backward_input):
+        scans = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+        assert scans and all(e.params["unroll"] == e.params["length"] == 3 for e in scans)
+    looped = split_stage(program.stage, unroll_scans=0)
+    scans = [e for e in looped.backward.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans and all(e.params["unroll"] == 1 for e in scans)
 
 
 def test_bias_sums_inside_a_split_scan_run_in_the_b_scan():

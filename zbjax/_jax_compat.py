@@ -481,12 +481,45 @@ def _eval_merged(eqn: Any, invals: list[Any]) -> Sequence[Any]:
 
 
 def _merged_param(value: Any) -> Any:
+    return _map_closed_jaxprs(value, merge_contracting_dims)
+
+
+def _map_closed_jaxprs(value: Any, fn: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:
+    """Returns ``value`` (an equation's param) with ``fn`` applied to each ClosedJaxpr in it;
+    ``value`` itself where nothing changed."""
     if isinstance(value, ClosedJaxpr):
-        return merge_contracting_dims(value)
+        return fn(value)
     if isinstance(value, tuple) and any(isinstance(v, ClosedJaxpr) for v in value):
-        merged = tuple(_merged_param(v) for v in value)
-        return value if all(m is v for m, v in zip(merged, value, strict=True)) else merged
+        mapped = tuple(_map_closed_jaxprs(v, fn) for v in value)
+        return value if all(m is v for m, v in zip(mapped, value, strict=True)) else mapped
     return value
+
+
+def unroll_short_scans(closed: ClosedJaxpr, max_length: int) -> ClosedJaxpr:
+    """Returns ``closed`` with every ``scan`` of at most ``max_length`` iterations unrolled.
+
+    Only the scan's ``unroll`` param changes (to its length), so the equations, their operands
+    and results stay as they are, and XLA compiles the iterations as straight-line code: no
+    loop that slices each iteration's weights and residuals out of the stacked operands and
+    writes each iteration's results into the stacked ones, and fusion across iterations.
+    Scans nested in control flow and calls are unrolled too.
+    """
+    eqns, changed = [], False
+    for eqn in closed.jaxpr.eqns:
+        params = {
+            k: _map_closed_jaxprs(v, lambda c: unroll_short_scans(c, max_length))
+            for k, v in eqn.params.items()
+        }
+        if eqn.primitive.name == "scan" and 1 < params["length"] <= max_length:
+            params["unroll"] = params["length"]
+        if any(params[k] is not v for k, v in eqn.params.items()):
+            eqn = replace_equation(eqn, eqn.invars, eqn.outvars, params)
+            changed = True
+        eqns.append(eqn)
+    if not changed:
+        return closed
+    jaxpr = closed.jaxpr
+    return make_closed_jaxpr(jaxpr.invars, jaxpr.outvars, eqns, jaxpr.constvars, closed.consts)
 
 
 # ----------------------------------------------------------------------------------------------
