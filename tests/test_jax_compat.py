@@ -127,21 +127,26 @@ def test_scan_params_describe_a_body_with_other_counts():
     np.testing.assert_array_equal(outs[1], 2.0 * jnp.arange(3.0))
 
 
-def _contracting_counts(closed):
-    """The number of contracting dimensions of every dot_general, control-flow bodies too."""
-    counts = []
+def _equations(closed, primitive):
+    """Every equation of ``primitive`` in ``closed``, control-flow and call bodies too."""
+    found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                counts.append(len(eqn.params["dimension_numbers"][0][0]))
+            if eqn.primitive.name == primitive:
+                found.append(eqn)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, tuple) else (value,):
                     if isinstance(sub, jax.extend.core.ClosedJaxpr):
                         walk(sub.jaxpr)
 
     walk(closed.jaxpr)
-    return counts
+    return found
+
+
+def _contracting_counts(closed):
+    """The number of contracting dimensions of every dot_general, nested ones too."""
+    return [len(e.params["dimension_numbers"][0][0]) for e in _equations(closed, "dot_general")]
 
 
 def _dense_weight_gradient(x, dy):
@@ -218,19 +223,7 @@ def test_merge_contracting_dims_rewrites_scan_and_cond_bodies():
 
 def _scan_unrolls(closed):
     """(length, unroll) of every scan, nested ones too."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":
-                found.append((eqn.params["length"], eqn.params["unroll"]))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, tuple) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-
-    walk(closed.jaxpr)
-    return found
+    return [(e.params["length"], e.params["unroll"]) for e in _equations(closed, "scan")]
 
 
 def test_unroll_short_scans_unrolls_only_scans_up_to_the_length_and_keeps_values():
