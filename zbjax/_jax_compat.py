@@ -473,15 +473,11 @@ def _eval_merged(eqn: Any, invals: list[Any]) -> Sequence[Any]:
             rhs = _merged_operand(invals[1], rhs_first, count)
             return [eqn.primitive.bind(lhs, rhs, **dict(params, dimension_numbers=merged))]
     else:
-        rewritten = {k: _merged_param(v) for k, v in params.items()}
+        rewritten = {k: _map_closed_jaxprs(v, merge_contracting_dims) for k, v in params.items()}
         if any(rewritten[k] is not v for k, v in params.items()):
             eqn = replace_equation(eqn, eqn.invars, eqn.outvars, rewritten)
     outs = _bind_like(eqn, invals)
     return outs if eqn.primitive.multiple_results else [outs]
-
-
-def _merged_param(value: Any) -> Any:
-    return _map_closed_jaxprs(value, merge_contracting_dims)
 
 
 def _map_closed_jaxprs(value: Any, fn: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:

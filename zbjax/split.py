@@ -87,12 +87,14 @@ def split_stage(
         # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
         # merged into one they need no transposed copy of the cotangent (in BW, B and W).
         forward, backward = merge_contracting_dims(forward), merge_contracting_dims(backward)
+    # Unrolled here, before the split: the B and W scans the split makes from BW's keep their
+    # scan's params, ``unroll`` included.
+    forward, backward = (
+        unroll_short_scans(forward, unroll_scans),
+        unroll_short_scans(backward, unroll_scans),
+    )
     backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
     backward_weight = vmap_independent_scans(backward_weight)
-    forward, backward, backward_input, backward_weight = (
-        unroll_short_scans(p, unroll_scans)
-        for p in (forward, backward, backward_input, backward_weight)
-    )
     residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
     stash_avals = tuple(_sds(a) for a in backward_weight.in_avals)
     num_params = len(stage.param_leaves)
