@@ -4,9 +4,11 @@ For one stage of each reference model (MLP, GPT linen first/middle/last stage, t
 middle stage), times B followed by W (two separately jitted calls, as the pipeline runs them)
 against the fused backward BW (one jitted call), in one process, alternating the two, and
 reports the median ratio together with the matmul FLOPs of B, W and BW (B + W must equal BW:
-nothing is recomputed). Writes the section "bw_split" of ``benchmarks/RESULTS.md``.
+nothing is recomputed). Then, on one core, the MLP stage at several widths, next to what
+copying B's stash for W into a slot and out of it costs. Writes the section "bw_split" of
+``benchmarks/RESULTS.md``.
 
-Run: ``python benchmarks/bw_split.py [--repeats N]``.
+Run: ``python benchmarks/bw_split.py [--repeats N] [--widths 128 256 512 1024]``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,10 @@ from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E4
 
 COMMAND = "python benchmarks/bw_split.py"
 TARGET_RATIO = 1.05
+#: The MLP stage's widths timed on one core (``measure_widths``): the split's extra work is
+#: memory traffic that grows with the width, its matmuls with its square.
+WIDTHS = (128, 256, 512, 1024)
+SMOKE_WIDTHS = (8, 16)
 
 
 @dataclass(frozen=True)
@@ -99,32 +105,34 @@ class Sizes:
 SMOKE_SIZES = Sizes(16, 2, 8, 32, 2, 1, 16, 1, 4)
 
 
+def mlp_case(width: int, layers: int, batch: int) -> Case:
+    """Returns the middle stage of an MLP of 3 stages of ``layers`` Dense(``width``) + tanh
+    layers, with a microbatch of ``batch`` rows."""
+    from models import mlp
+
+    cfg = mlp.MLPConfig(
+        in_dim=width,
+        width=width,
+        depth=3 * layers,
+        out_dim=width,
+        stage_boundaries=(layers - 1, 2 * layers - 1),
+    )
+    return Case(
+        f"MLP middle stage ({layers} x Dense({width}), batch {batch})",
+        mlp.make_loss_fn(cfg),
+        mlp.init_params(jax.random.key(0), cfg),
+        mlp.make_batch(jax.random.key(1), cfg, batch),
+        None,
+        1,
+    )
+
+
 def reference_cases(sizes: Sizes) -> list[Case]:
     """Returns the stages to time: MLP middle, GPT first/middle/last, scanned GPT middle."""
-    from models import gpt, gpt_scan, mlp
+    from models import gpt, gpt_scan
 
     key = jax.random.key(0)
-    cases = []
-    k = sizes.mlp_layers_per_stage
-    mlp_cfg = mlp.MLPConfig(
-        in_dim=sizes.mlp_width,
-        width=sizes.mlp_width,
-        depth=3 * k,
-        out_dim=sizes.mlp_width,
-        stage_boundaries=(k - 1, 2 * k - 1),
-    )
-    mlp_batch = mlp.make_batch(jax.random.key(1), mlp_cfg, sizes.mlp_batch)
-    mlp_params = mlp.init_params(key, mlp_cfg)
-    cases.append(
-        Case(
-            f"MLP middle stage ({k} x Dense({sizes.mlp_width}), batch {sizes.mlp_batch})",
-            mlp.make_loss_fn(mlp_cfg),
-            mlp_params,
-            mlp_batch,
-            None,
-            1,
-        )
-    )
+    cases = [mlp_case(sizes.mlp_width, sizes.mlp_layers_per_stage, sizes.mlp_batch)]
     b = sizes.blocks_per_stage
     gpt_cfg = gpt.GPTConfig(
         vocab_size=sizes.gpt_vocab,
@@ -323,6 +331,111 @@ def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> M
     )
 
 
+@dataclass(frozen=True)
+class WidthPoint:
+    """The MLP stage at one width: the split against BW, and what one copy of B's new stash
+    values costs (seconds per run)."""
+
+    width: int
+    measurement: Measurement
+    copy_s: float
+
+    @property
+    def copies_ratio(self) -> float:
+        """1 + two copies of the new stash over BW: the ratio if the split's only extra work
+        were B copying its stash into a slot and W copying it out of one."""
+        return 1 + 2 * self.copy_s / self.measurement.fused_s
+
+
+def copy_seconds(p: Prepared, repeats: int) -> float:
+    """Returns the median seconds per run of copying the stash values B wrote for W into a
+    pool slot, looped as the pipeline runs an action: one read and one write of each, what
+    B's write of them into its slot and W's read of them out of one each cost."""
+    copy = looped(lambda *values: values)
+    new = list(p.new)
+    for _ in range(3):
+        _block(copy(*new))
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        _block(copy(*new))
+        times.append((time.perf_counter() - began) / copy.runs)
+    return statistics.median(times)
+
+
+def measure_widths(widths: Sequence[int], repeats: int, sizes: Sizes) -> list[WidthPoint]:
+    """Returns the MLP stage's split against BW and its stash copy at each of ``widths``
+    (``sizes``' layers per stage and batch), printing each as it finishes."""
+    points = []
+    for width in widths:
+        case = mlp_case(width, sizes.mlp_layers_per_stage, sizes.mlp_batch)
+        p = prepare(case)
+        point = WidthPoint(
+            width, measure_prepared(case.label, p, repeats), copy_seconds(p, repeats)
+        )
+        print(
+            f"width {width}: ratio {point.measurement.ratio:.3f}, 1 + 2 copies / BW "
+            f"{point.copies_ratio:.3f}",
+            flush=True,
+        )
+        points.append(point)
+    return points
+
+
+def width_table(points: Sequence[WidthPoint]) -> str:
+    """Returns the markdown table of the MLP stage across widths."""
+    rows = [
+        "| width | B then W (ms) | BW (ms) | ratio (median of pairs) | new MB | one copy of it "
+        "(ms) | 1 + 2 copies / BW | BW GFLOP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for point in points:
+        m = point.measurement
+        rows.append(
+            f"| {point.width} | {m.split_s * 1e3:.2f} | {m.fused_s * 1e3:.2f} | {m.ratio:.3f} | "
+            f"{m.new_stash_bytes / 1e6:.2f} | {point.copy_s * 1e3:.3f} | "
+            f"{point.copies_ratio:.3f} | {m.flops_bw / 1e9:.3f} |"
+        )
+    return "\n".join(rows)
+
+
+def width_points_json(points: Sequence[WidthPoint]) -> list[dict[str, Any]]:
+    """Returns ``points`` as JSON-ready dicts (``width_points_from_json`` reads them back)."""
+    return [asdict(point) for point in points]
+
+
+def width_points_from_json(data: Sequence[dict[str, Any]]) -> list[WidthPoint]:
+    """Returns the points ``width_points_json`` wrote."""
+    return [WidthPoint(d["width"], Measurement(**d["measurement"]), d["copy_s"]) for d in data]
+
+
+def widths_verdict(points: Sequence[WidthPoint]) -> str:
+    """Returns the sentence that says from which width on the ratio meets the target."""
+    met = [p.width for p in points if p.measurement.ratio <= TARGET_RATIO]
+    ratios = ", ".join(f"{p.measurement.ratio:.3f}" for p in points)
+    widths = ", ".join(str(p.width) for p in points)
+    if not met:
+        where = "at none of them"
+    elif all(p.measurement.ratio <= TARGET_RATIO for p in points if p.width >= min(met)):
+        where = f"from width {min(met)} on"
+    else:
+        where = "at width " + ", ".join(str(w) for w in met) + " only"
+    return f"Ratio at widths {widths}: {ratios}; within the {TARGET_RATIO} target {where}."
+
+
+def one_core_widths(widths: Sequence[int], repeats: int) -> list[WidthPoint]:
+    """Returns the width sweep measured by a copy of this script pinned to one core."""
+    data = run_pinned_copy(
+        __file__,
+        "--widths-json",
+        "--repeats",
+        str(repeats),
+        "--widths",
+        *(str(w) for w in widths),
+    )
+    return width_points_from_json(data)
+
+
 def machine_load() -> str:
     """Returns the output of ``uptime`` (load averages), or a note that it is unavailable."""
     try:
@@ -387,17 +500,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pin this process to one core, measure, write the ratios here as JSON and stop "
         "(how the script measures its one-core column)",
     )
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        default=list(WIDTHS),
+        help="widths of the MLP stage timed on one core (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--widths-json",
+        type=Path,
+        help="pin this process to one core, time the MLP stage at --widths, write the points "
+        "here as JSON and stop (how the script measures its width table)",
+    )
     args = parser.parse_args(argv)
     if args.one_core_json is not None:
         pin_to_one_core()
         ratios = {m.label: m.ratio for m in measure_all(args.repeats)}
         args.one_core_json.write_text(json.dumps(ratios))
         return 0
+    if args.widths_json is not None:
+        pin_to_one_core()
+        points = measure_widths(args.widths, args.repeats, Sizes())
+        args.widths_json.write_text(json.dumps(width_points_json(points)))
+        return 0
     began = time.perf_counter()
     load_before = machine_load()
     measurements = measure_all(args.repeats, unmerged=True)
     print("again, pinned to one core:", flush=True)
     one_core = one_core_ratios(args.repeats)
+    print("the MLP stage across widths, pinned to one core:", flush=True)
+    points = one_core_widths(args.widths, args.repeats)
     load_after = machine_load()
     worst = max(m.ratio for m in measurements)
     worst_one = max(one_core.values())
@@ -449,6 +582,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{worst_one:.3f} on one core "
             f"({'met' if max(worst, worst_one) <= TARGET_RATIO else 'NOT met'}). "
             f"B + W FLOPs equal BW FLOPs for every stage: {'yes' if flops_equal else 'NO'}.",
+            "",
+            "**The MLP stage across widths**, pinned to one core (a copy of the script, "
+            f"`--widths-json`; {Sizes().mlp_layers_per_stage} layers, batch "
+            f"{Sizes().mlp_batch}, timed as above). Beyond the fused backward's work, B "
+            "copies each value it writes for W (the cotangents at the layers' outputs, *new "
+            "MB*) into a slot, and W, whose matmuls need them contiguous, copies them out of "
+            "one: two passes over the new stash, which grow with the width while the matmuls "
+            "grow with its square. *One copy of it* is the time of copying those values into "
+            "a slot, looped the same way (`copy_seconds`); *1 + 2 copies / BW* is the ratio "
+            "if the split's only extra work were those two copies.",
+            "",
+            width_table(points),
+            "",
+            widths_verdict(points),
             "",
             f"Machine load before: `{load_before}`; after: `{load_after}` (the machine is "
             "shared, so absolute times are noisy; the alternating ratio is the number to read).",

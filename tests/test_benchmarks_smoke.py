@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -69,6 +70,35 @@ def test_bw_split_also_times_bw_as_jax_traced_it():
     m = bw_split.measure_prepared(case.label, p, repeats=2)
     assert m.unmerged_s > 0 and m.merge_ratio > 0
     assert f"| {m.unmerged_s * 1e3:.2f} | {m.merge_ratio:.3f} |" in bw_split.table([m])
+
+
+def test_bw_split_times_the_mlp_stage_across_widths_next_to_its_stash_copies():
+    points = bw_split.measure_widths(bw_split.SMOKE_WIDTHS, 2, bw_split.SMOKE_SIZES)
+    assert [p.width for p in points] == list(bw_split.SMOKE_WIDTHS)
+    for p in points:
+        m = p.measurement
+        assert m.label.startswith(f"MLP middle stage ({bw_split.SMOKE_SIZES.mlp_layers_per_stage}")
+        assert f"Dense({p.width})" in m.label
+        assert p.copy_s > 0 and m.ratio > 0
+        assert p.copies_ratio == pytest.approx(1 + 2 * p.copy_s / m.fused_s)
+        assert m.flops_b + m.flops_w == m.flops_bw > 0
+    # The stash B writes for W (one cotangent per layer) doubles with the width.
+    assert points[1].measurement.new_stash_bytes == 2 * points[0].measurement.new_stash_bytes
+    assert bw_split.width_points_from_json(bw_split.width_points_json(points)) == points
+    table = bw_split.width_table(points)
+    assert table.count("\n") == 1 + len(points)
+    assert f"| {points[0].width} | " in table
+
+    def at(*ratios):
+        return [
+            dataclasses.replace(p, measurement=dataclasses.replace(p.measurement, ratio=r))
+            for p, r in zip(points, ratios, strict=True)
+        ]
+
+    verdict = bw_split.widths_verdict
+    assert verdict(at(1.10, 1.04)).endswith(f"from width {points[1].width} on.")
+    assert verdict(at(1.04, 1.10)).endswith(f"at width {points[0].width} only.")
+    assert verdict(at(1.10, 1.07)).endswith("at none of them.")
 
 
 def test_bw_in_step_times_split_against_fused_steps_that_differ_only_in_the_split():
