@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E4
 
 COMMAND = "python benchmarks/bw_split.py"
 TARGET_RATIO = 1.05
-#: The MLP stage's widths timed on one core (``measure_widths``): the split's extra work is
+#: The MLP stage's widths timed on one core (``width_cases``): the split's extra work is
 #: memory traffic that grows with the width, its matmuls with its square.
 WIDTHS = (128, 256, 512, 1024)
 SMOKE_WIDTHS = (8, 16)
@@ -85,6 +85,15 @@ class Measurement:
     # in the same rounds, and the median over rounds of BW / that; None where not measured.
     unmerged_s: float | None = None
     merge_ratio: float | None = None
+    # One copy of the stash values B writes for W into a pool slot (``copy_seconds``); None
+    # where not measured.
+    copy_s: float | None = None
+
+    @property
+    def copies_ratio(self) -> float | None:
+        """1 + two copies of the new stash over BW: the ratio if the split's only extra work
+        were B copying those values into a slot and W copying them out of one."""
+        return None if self.copy_s is None else 1 + 2 * self.copy_s / self.fused_s
 
 
 @dataclass(frozen=True)
@@ -235,10 +244,15 @@ def prepare(case: Case, unmerged: bool = False) -> Prepared:
     )
 
 
-def measure(case: Case, repeats: int, chain: int = 1, unmerged: bool = False) -> Measurement:
+def measure(
+    case: Case, repeats: int, chain: int = 1, unmerged: bool = False, copies: bool = False
+) -> Measurement:
     """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs
-    (``chain``: see ``measure_prepared``; ``unmerged``: also time BW as JAX traced it)."""
-    return measure_prepared(case.label, prepare(case, unmerged), repeats, chain)
+    (``chain``: see ``measure_prepared``; ``unmerged``: also time BW as JAX traced it;
+    ``copies``: also time one copy of B's new stash, ``copy_seconds``)."""
+    p = prepare(case, unmerged)
+    m = measure_prepared(case.label, p, repeats, chain)
+    return replace(m, copy_s=copy_seconds(p, repeats)) if copies else m
 
 
 def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> Measurement:
@@ -331,28 +345,14 @@ def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> M
     )
 
 
-@dataclass(frozen=True)
-class WidthPoint:
-    """The MLP stage at one width: the split against BW, and what one copy of B's new stash
-    values costs (seconds per run)."""
-
-    width: int
-    measurement: Measurement
-    copy_s: float
-
-    @property
-    def copies_ratio(self) -> float:
-        """1 + two copies of the new stash over BW: the ratio if the split's only extra work
-        were B copying its stash into a slot and W copying it out of one."""
-        return 1 + 2 * self.copy_s / self.measurement.fused_s
-
-
 def copy_seconds(p: Prepared, repeats: int) -> float:
     """Returns the median seconds per run of copying the stash values B wrote for W into a
     pool slot, looped as the pipeline runs an action: one read and one write of each, what
     B's write of them into its slot and W's read of them out of one each cost."""
-    copy = looped(lambda *values: values)
     new = list(p.new)
+    if not jax.tree_util.tree_leaves(new):
+        return 0.0  # B writes nothing for W
+    copy = looped(lambda *values: values)
     for _ in range(3):
         _block(copy(*new))
     times = []
@@ -363,77 +363,68 @@ def copy_seconds(p: Prepared, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_widths(widths: Sequence[int], repeats: int, sizes: Sizes) -> list[WidthPoint]:
-    """Returns the MLP stage's split against BW and its stash copy at each of ``widths``
-    (``sizes``' layers per stage and batch), printing each as it finishes."""
-    points = []
-    for width in widths:
-        case = mlp_case(width, sizes.mlp_layers_per_stage, sizes.mlp_batch)
-        p = prepare(case)
-        point = WidthPoint(
-            width, measure_prepared(case.label, p, repeats), copy_seconds(p, repeats)
-        )
-        print(
-            f"width {width}: ratio {point.measurement.ratio:.3f}, 1 + 2 copies / BW "
-            f"{point.copies_ratio:.3f}",
-            flush=True,
-        )
-        points.append(point)
-    return points
+def width_cases(widths: Sequence[int], sizes: Sizes) -> list[Case]:
+    """Returns the MLP stage at each of ``widths`` (``sizes``' layers per stage and batch)."""
+    return [mlp_case(w, sizes.mlp_layers_per_stage, sizes.mlp_batch) for w in widths]
 
 
-def width_table(points: Sequence[WidthPoint]) -> str:
-    """Returns the markdown table of the MLP stage across widths."""
+def width_table(widths: Sequence[int], measurements: Sequence[Measurement]) -> str:
+    """Returns the markdown table of the MLP stage across ``widths`` (one measurement each,
+    with its stash copy timed)."""
     rows = [
         "| width | B then W (ms) | BW (ms) | ratio (median of pairs) | new MB | one copy of it "
         "(ms) | 1 + 2 copies / BW | BW GFLOP |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for point in points:
-        m = point.measurement
+    for width, m in zip(widths, measurements, strict=True):
         rows.append(
-            f"| {point.width} | {m.split_s * 1e3:.2f} | {m.fused_s * 1e3:.2f} | {m.ratio:.3f} | "
-            f"{m.new_stash_bytes / 1e6:.2f} | {point.copy_s * 1e3:.3f} | "
-            f"{point.copies_ratio:.3f} | {m.flops_bw / 1e9:.3f} |"
+            f"| {width} | {m.split_s * 1e3:.2f} | {m.fused_s * 1e3:.2f} | {m.ratio:.3f} | "
+            f"{m.new_stash_bytes / 1e6:.2f} | {_ms(m.copy_s, 3)} | {_num(m.copies_ratio)} | "
+            f"{m.flops_bw / 1e9:.3f} |"
         )
     return "\n".join(rows)
 
 
-def width_points_json(points: Sequence[WidthPoint]) -> list[dict[str, Any]]:
-    """Returns ``points`` as JSON-ready dicts (``width_points_from_json`` reads them back)."""
-    return [asdict(point) for point in points]
-
-
-def width_points_from_json(data: Sequence[dict[str, Any]]) -> list[WidthPoint]:
-    """Returns the points ``width_points_json`` wrote."""
-    return [WidthPoint(d["width"], Measurement(**d["measurement"]), d["copy_s"]) for d in data]
-
-
-def widths_verdict(points: Sequence[WidthPoint]) -> str:
+def widths_verdict(widths: Sequence[int], measurements: Sequence[Measurement]) -> str:
     """Returns the sentence that says from which width on the ratio meets the target."""
-    met = [p.width for p in points if p.measurement.ratio <= TARGET_RATIO]
-    ratios = ", ".join(f"{p.measurement.ratio:.3f}" for p in points)
-    widths = ", ".join(str(p.width) for p in points)
+    ratios = [m.ratio for m in measurements]
+    met = [w for w, r in zip(widths, ratios, strict=True) if r <= TARGET_RATIO]
     if not met:
         where = "at none of them"
-    elif all(p.measurement.ratio <= TARGET_RATIO for p in points if p.width >= min(met)):
+    elif all(r <= TARGET_RATIO for w, r in zip(widths, ratios, strict=True) if w >= min(met)):
         where = f"from width {min(met)} on"
     else:
         where = "at width " + ", ".join(str(w) for w in met) + " only"
-    return f"Ratio at widths {widths}: {ratios}; within the {TARGET_RATIO} target {where}."
-
-
-def one_core_widths(widths: Sequence[int], repeats: int) -> list[WidthPoint]:
-    """Returns the width sweep measured by a copy of this script pinned to one core."""
-    data = run_pinned_copy(
-        __file__,
-        "--widths-json",
-        "--repeats",
-        str(repeats),
-        "--widths",
-        *(str(w) for w in widths),
+    return (
+        f"Ratio at widths {', '.join(str(w) for w in widths)}: "
+        f"{', '.join(f'{r:.3f}' for r in ratios)}; within the {TARGET_RATIO} target {where}."
     )
-    return width_points_from_json(data)
+
+
+def measurements_json(measurements: Sequence[Measurement]) -> list[dict[str, Any]]:
+    """Returns ``measurements`` as JSON-ready dicts (``measurements_from_json`` reads them)."""
+    return [asdict(m) for m in measurements]
+
+
+def measurements_from_json(data: Sequence[dict[str, Any]]) -> list[Measurement]:
+    """Returns the measurements ``measurements_json`` wrote."""
+    return [Measurement(**d) for d in data]
+
+
+def one_core_measurements(json_flag: str, repeats: int, *args: str) -> list[Measurement]:
+    """Returns what a copy of this script pinned to one core measures when run with
+    ``json_flag`` (``--one-core-json``: every reference case; ``--widths-json``: the MLP
+    stage at the widths in ``args``)."""
+    data = run_pinned_copy(__file__, json_flag, "--repeats", str(repeats), *args)
+    return measurements_from_json(data)
+
+
+def _ms(seconds: float | None, digits: int = 2) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.{digits}f}"
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 def machine_load() -> str:
@@ -444,50 +435,51 @@ def machine_load() -> str:
         return f"load average {os.getloadavg()}"
 
 
-def table(measurements: Sequence[Measurement], one_core: dict[str, float] | None = None) -> str:
-    """Returns the markdown table of measurements (``one_core``: ratio per label measured on
-    one core, "–" where not measured)."""
-    one_core = one_core or {}
+def table(
+    measurements: Sequence[Measurement], one_core: Sequence[Measurement] | None = None
+) -> str:
+    """Returns the markdown table of measurements (``one_core``: the same cases measured on
+    one core, matched by label; "–" where not measured)."""
+    alone = {m.label: m for m in one_core or ()}
     rows = [
         "| stage | B then W (ms) | of which B | of which W | BW (ms) | ratio (median of pairs) "
-        "| ratio, one core | B GFLOP | W GFLOP | BW GFLOP | B + W == BW | residuals MB | "
-        "stash MB | new MB | BW as traced (ms) | BW / as traced |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| 1 + 2 copies / BW | ratio, one core | 1 + 2 copies / BW, one core | B GFLOP | "
+        "W GFLOP | BW GFLOP | B + W == BW | residuals MB | stash MB | new MB | "
+        "BW as traced (ms) | BW / as traced |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in measurements:
         same = "yes" if m.flops_b + m.flops_w == m.flops_bw else "NO"
+        one = alone.get(m.label)
         rows.append(
             f"| {m.label} | {m.split_s * 1e3:.2f} | {m.b_s * 1e3:.2f} | {m.w_s * 1e3:.2f} | "
-            f"{m.fused_s * 1e3:.2f} | {m.ratio:.3f} | "
-            f"{f'{one_core[m.label]:.3f}' if m.label in one_core else '–'} | "
-            f"{m.flops_b / 1e9:.3f} | "
-            f"{m.flops_w / 1e9:.3f} | {m.flops_bw / 1e9:.3f} | {same} | "
+            f"{m.fused_s * 1e3:.2f} | {m.ratio:.3f} | {_num(m.copies_ratio)} | "
+            f"{_num(one and one.ratio)} | {_num(one and one.copies_ratio)} | "
+            f"{m.flops_b / 1e9:.3f} | {m.flops_w / 1e9:.3f} | {m.flops_bw / 1e9:.3f} | {same} | "
             f"{m.activation_bytes / 1e6:.1f} | {m.stash_bytes / 1e6:.1f} | "
-            f"{m.new_stash_bytes / 1e6:.1f} | "
-            f"{'–' if m.unmerged_s is None else f'{m.unmerged_s * 1e3:.2f}'} | "
-            f"{'–' if m.merge_ratio is None else f'{m.merge_ratio:.3f}'} |"
+            f"{m.new_stash_bytes / 1e6:.1f} | {_ms(m.unmerged_s)} | {_num(m.merge_ratio)} |"
         )
     return "\n".join(rows)
 
 
-def measure_all(repeats: int, unmerged: bool = False) -> list[Measurement]:
-    """Returns the measurement of every reference case, printing each as it finishes
-    (``unmerged``: BW as JAX traced it too)."""
+def measure_all(
+    repeats: int,
+    cases: Sequence[Case] | None = None,
+    unmerged: bool = False,
+    copies: bool = False,
+) -> list[Measurement]:
+    """Returns the measurement of every case (the reference cases by default), printing each
+    as it finishes (``unmerged``, ``copies``: see ``measure``)."""
     measurements = []
-    for case in reference_cases(Sizes()):
-        m = measure(case, repeats, unmerged=unmerged)
+    for case in reference_cases(Sizes()) if cases is None else cases:
+        m = measure(case, repeats, unmerged=unmerged, copies=copies)
         print(
             f"{m.label}: split {m.split_s * 1e3:.2f} ms, fused {m.fused_s * 1e3:.2f} ms, "
-            f"ratio {m.ratio:.3f}",
+            f"ratio {m.ratio:.3f}, 1 + 2 copies / BW {_num(m.copies_ratio)}",
             flush=True,
         )
         measurements.append(m)
     return measurements
-
-
-def one_core_ratios(repeats: int) -> dict[str, float]:
-    """Returns per case the ratio measured by a copy of this script pinned to one core."""
-    return run_pinned_copy(__file__, "--one-core-json", "--repeats", str(repeats))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -497,8 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--one-core-json",
         type=Path,
-        help="pin this process to one core, measure, write the ratios here as JSON and stop "
-        "(how the script measures its one-core column)",
+        help="pin this process to one core, measure, write the measurements here as JSON and "
+        "stop (how the script measures its one-core columns)",
     )
     parser.add_argument(
         "--widths",
@@ -510,30 +502,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--widths-json",
         type=Path,
-        help="pin this process to one core, time the MLP stage at --widths, write the points "
-        "here as JSON and stop (how the script measures its width table)",
+        help="pin this process to one core, time the MLP stage at --widths, write the "
+        "measurements here as JSON and stop (how the script measures its width table)",
     )
     args = parser.parse_args(argv)
-    if args.one_core_json is not None:
-        pin_to_one_core()
-        ratios = {m.label: m.ratio for m in measure_all(args.repeats)}
-        args.one_core_json.write_text(json.dumps(ratios))
-        return 0
-    if args.widths_json is not None:
-        pin_to_one_core()
-        points = measure_widths(args.widths, args.repeats, Sizes())
-        args.widths_json.write_text(json.dumps(width_points_json(points)))
-        return 0
+    for out, cases in (
+        (args.one_core_json, lambda: None),
+        (args.widths_json, lambda: width_cases(args.widths, Sizes())),
+    ):
+        if out is not None:
+            pin_to_one_core()
+            measured = measure_all(args.repeats, cases(), copies=True)
+            out.write_text(json.dumps(measurements_json(measured)))
+            return 0
     began = time.perf_counter()
     load_before = machine_load()
-    measurements = measure_all(args.repeats, unmerged=True)
+    measurements = measure_all(args.repeats, unmerged=True, copies=True)
     print("again, pinned to one core:", flush=True)
-    one_core = one_core_ratios(args.repeats)
+    one_core = one_core_measurements("--one-core-json", args.repeats)
     print("the MLP stage across widths, pinned to one core:", flush=True)
-    points = one_core_widths(args.widths, args.repeats)
+    widths = one_core_measurements(
+        "--widths-json", args.repeats, "--widths", *(str(w) for w in args.widths)
+    )
     load_after = machine_load()
     worst = max(m.ratio for m in measurements)
-    worst_one = max(one_core.values())
+    worst_one = max(m.ratio for m in one_core)
     flops_equal = all(m.flops_b + m.flops_w == m.flops_bw for m in measurements)
     body = "\n".join(
         [
@@ -569,7 +562,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "residuals MB is M_B (`activation_bytes`, kept from F to B), stash MB is M_W "
             "(`stash_bytes`, what W reads), new MB what B writes for W (the part of the stash "
             "that is not a residual). Writing those values and reading them back is work the "
-            "fused BW does not do, so is running two programs instead of one. *ratio, one "
+            "fused BW does not do, so is running two programs instead of one: B copies each "
+            "value it writes for W into a slot, and W, whose matmuls need it contiguous, "
+            "copies it out of one. *1 + 2 copies / BW* is the ratio if those two copies were "
+            "the split's only extra work, from the time of copying the new values into a slot "
+            "once, looped the same way (`copy_seconds`). *ratio, one "
             "core* is the same measurement by a copy of the script pinned to one core "
             "(`--one-core-json`), as one pipeline device gets when devices have a core each: "
             "with both cores, XLA runs the fused backward's two independent matmul chains (input "
@@ -585,17 +582,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
             "**The MLP stage across widths**, pinned to one core (a copy of the script, "
             f"`--widths-json`; {Sizes().mlp_layers_per_stage} layers, batch "
-            f"{Sizes().mlp_batch}, timed as above). Beyond the fused backward's work, B "
-            "copies each value it writes for W (the cotangents at the layers' outputs, *new "
-            "MB*) into a slot, and W, whose matmuls need them contiguous, copies them out of "
-            "one: two passes over the new stash, which grow with the width while the matmuls "
-            "grow with its square. *One copy of it* is the time of copying those values into "
-            "a slot, looped the same way (`copy_seconds`); *1 + 2 copies / BW* is the ratio "
-            "if the split's only extra work were those two copies.",
+            f"{Sizes().mlp_batch}, timed as above). The copies grow with the width, the "
+            "matmuls with its square.",
             "",
-            width_table(points),
+            width_table(args.widths, widths),
             "",
-            widths_verdict(points),
+            widths_verdict(args.widths, widths),
             "",
             f"Machine load before: `{load_before}`; after: `{load_after}` (the machine is "
             "shared, so absolute times are noisy; the alternating ratio is the number to read).",

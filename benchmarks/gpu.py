@@ -10,7 +10,9 @@ minutes on one H100/H200-class GPU:
    reference stage, alternating, median ratio, matmul FLOPs. Each timed sample queues
    ``--chain`` calls before it waits, so the host's dispatch overlaps the GPU's work as in a
    pipeline step; then each program's GPU kernel time from a ``jax.profiler`` trace, GEMM
-   kernels apart from the rest (``--dump DIR`` also writes each program's HLO and trace).
+   kernels apart from the rest (``--dump DIR`` also writes each program's HLO and trace);
+   and the time of copying the stash values B writes for W once, the cost of B's copy of
+   them into a slot and of W's out of one (``bw_split.copy_seconds``).
 3. **B/W split in the step** (``bw_in_step.py``) at width 4096, on one GPU: the MLP and the
    GPT cut into 3 stages and pipelined on one device by ``dag-zb`` (every backward split)
    against the same schedule with every backward fused, alternating rounds: what the split
@@ -51,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +151,14 @@ def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path
     calls queued per sample, ``bw_split.measure_prepared``), and the GPU kernel time of each
     program from a profiler trace (``dump``: also write each program's HLO and trace there).
     BW is also timed as JAX traced it (the table's last columns), which says whether merging
-    contracting dimensions and unrolling short scans pay on the GPU too."""
+    contracting dimensions and unrolling short scans pay on the GPU too; and copying B's new
+    stash once (``bw_split.copy_seconds``), which says how much of the split's cost its two
+    copies (into a slot, out of one) explain."""
     measurements, kernel_rows, kernel_ratios = [], [], []
     for case in bw_split.reference_cases(sizes):
         p = bw_split.prepare(case, unmerged=True)
         m = bw_split.measure_prepared(case.label, p, repeats, chain)
+        m = replace(m, copy_s=bw_split.copy_seconds(p, repeats))
         measurements.append(m)
         short = re.sub(r"\W+", "_", case.label.split(" (")[0]).strip("_")
         kernels = {
@@ -174,7 +180,10 @@ def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path
     return "\n".join(
         [
             f"**B/W split** ({repeats} alternating pairs per stage, each sample {chain} calls "
-            f"of {LOOP_RUNS} runs queued before one wait; ratio = median of (B then W) / BW):",
+            f"of {LOOP_RUNS} runs queued before one wait; ratio = median of (B then W) / BW; "
+            "*1 + 2 copies / BW*: the ratio if copying the stash values B writes for W into a "
+            "slot (B) and out of one (W) were the split's only extra work, from one copy's "
+            "time, `bw_split.copy_seconds`, waiting after each call):",
             "",
             bw_split.table(measurements),
             "",

@@ -42,7 +42,7 @@ def test_bw_split_times_an_mlp_stage_and_b_plus_w_flops_equal_bw():
         bw_split.measure_prepared(case.label, bw_split.prepare(case), repeats=2, chain=0)
     assert m.split_s > 0 and m.fused_s > 0 and m.ratio > 0
     assert m.unmerged_s is None and m.merge_ratio is None
-    assert "| yes |" in bw_split.table([m], {m.label: m.ratio})
+    assert "| yes |" in bw_split.table([m], [m])
 
 
 def test_bw_split_also_times_bw_as_jax_traced_it():
@@ -73,32 +73,36 @@ def test_bw_split_also_times_bw_as_jax_traced_it():
 
 
 def test_bw_split_times_the_mlp_stage_across_widths_next_to_its_stash_copies():
-    points = bw_split.measure_widths(bw_split.SMOKE_WIDTHS, 2, bw_split.SMOKE_SIZES)
-    assert [p.width for p in points] == list(bw_split.SMOKE_WIDTHS)
-    for p in points:
-        m = p.measurement
+    widths = bw_split.SMOKE_WIDTHS
+    measured = bw_split.measure_all(
+        2, bw_split.width_cases(widths, bw_split.SMOKE_SIZES), copies=True
+    )
+    for width, m in zip(widths, measured, strict=True):
         assert m.label.startswith(f"MLP middle stage ({bw_split.SMOKE_SIZES.mlp_layers_per_stage}")
-        assert f"Dense({p.width})" in m.label
-        assert p.copy_s > 0 and m.ratio > 0
-        assert p.copies_ratio == pytest.approx(1 + 2 * p.copy_s / m.fused_s)
+        assert f"Dense({width})" in m.label
+        assert m.copy_s > 0 and m.ratio > 0
+        assert m.copies_ratio == pytest.approx(1 + 2 * m.copy_s / m.fused_s)
         assert m.flops_b + m.flops_w == m.flops_bw > 0
     # The stash B writes for W (one cotangent per layer) doubles with the width.
-    assert points[1].measurement.new_stash_bytes == 2 * points[0].measurement.new_stash_bytes
-    assert bw_split.width_points_from_json(bw_split.width_points_json(points)) == points
-    table = bw_split.width_table(points)
-    assert table.count("\n") == 1 + len(points)
-    assert f"| {points[0].width} | " in table
+    assert measured[1].new_stash_bytes == 2 * measured[0].new_stash_bytes
+    assert bw_split.measurements_from_json(bw_split.measurements_json(measured)) == measured
+    table = bw_split.width_table(widths, measured)
+    assert table.count("\n") == 1 + len(widths)
+    assert f"| {widths[0]} | " in table and f"| {measured[0].copies_ratio:.3f} |" in table
+    # Without the copy timed, the copy columns say so.
+    plain = dataclasses.replace(measured[0], copy_s=None)
+    assert plain.copies_ratio is None
+    assert "| – |" in bw_split.table([plain])
+    main_table = bw_split.table([measured[0]], [measured[0]])
+    assert main_table.count(f"| {measured[0].copies_ratio:.3f} |") == 2  # all cores, one core
 
     def at(*ratios):
-        return [
-            dataclasses.replace(p, measurement=dataclasses.replace(p.measurement, ratio=r))
-            for p, r in zip(points, ratios, strict=True)
-        ]
+        return [dataclasses.replace(m, ratio=r) for m, r in zip(measured, ratios, strict=True)]
 
     verdict = bw_split.widths_verdict
-    assert verdict(at(1.10, 1.04)).endswith(f"from width {points[1].width} on.")
-    assert verdict(at(1.04, 1.10)).endswith(f"at width {points[0].width} only.")
-    assert verdict(at(1.10, 1.07)).endswith("at none of them.")
+    assert verdict(widths, at(1.10, 1.04)).endswith(f"from width {widths[1]} on.")
+    assert verdict(widths, at(1.04, 1.10)).endswith(f"at width {widths[0]} only.")
+    assert verdict(widths, at(1.10, 1.07)).endswith("at none of them.")
 
 
 def test_bw_in_step_times_split_against_fused_steps_that_differ_only_in_the_split():
