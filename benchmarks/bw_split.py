@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -250,14 +250,14 @@ def measure(
     """Returns the timing of B-then-W against BW for ``case``, alternating, median of pairs
     (``chain``: see ``measure_prepared``; ``unmerged``: also time BW as JAX traced it;
     ``copies``: also time one copy of B's new stash, ``copy_seconds``)."""
-    p = prepare(case, unmerged)
-    m = measure_prepared(case.label, p, repeats, chain)
-    return replace(m, copy_s=copy_seconds(p, repeats)) if copies else m
+    return measure_prepared(case.label, prepare(case, unmerged), repeats, chain, copies)
 
 
-def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> Measurement:
+def measure_prepared(
+    label: str, p: Prepared, repeats: int, chain: int = 1, copies: bool = False
+) -> Measurement:
     """Returns the timing of B-then-W against BW of a prepared stage, alternating, median of
-    pairs.
+    pairs (``copies``: also time one copy of B's new stash, ``copy_seconds``).
 
     With ``chain`` 1, each timed call waits for the device: W starts after B is done, as on a
     CPU, where two programs in flight at once would share the cores. With ``chain`` > 1 (for
@@ -342,6 +342,7 @@ def measure_prepared(label: str, p: Prepared, repeats: int, chain: int = 1) -> M
         repeats,
         statistics.median(unmerged_times) if unmerged_times else None,
         statistics.median(merge_ratios) if merge_ratios else None,
+        copy_seconds(p, repeats) if copies else None,
     )
 
 

@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,8 +156,7 @@ def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path
     measurements, kernel_rows, kernel_ratios = [], [], []
     for case in bw_split.reference_cases(sizes):
         p = bw_split.prepare(case, unmerged=True)
-        m = bw_split.measure_prepared(case.label, p, repeats, chain)
-        m = replace(m, copy_s=bw_split.copy_seconds(p, repeats))
+        m = bw_split.measure_prepared(case.label, p, repeats, chain, copies=True)
         measurements.append(m)
         short = re.sub(r"\W+", "_", case.label.split(" (")[0]).strip("_")
         kernels = {

@@ -12,9 +12,10 @@ BW's equations are then partitioned:
 
 Before the split, every ``dot_general`` of F and BW that contracts several adjacent dimensions
 (the weight gradient of ``x @ w`` over ``[batch, seq, d]``) contracts them merged into one,
-which spares XLA a transposed copy of the cotangent (``merge_contracting_dims``). After it,
-every ``scan`` of at most ``UNROLL_SCAN_LENGTH`` iterations in F, B, W and BW runs unrolled
-(``unroll_short_scans``).
+which spares XLA a transposed copy of the cotangent (``merge_contracting_dims``), and every
+``scan`` of at most ``UNROLL_SCAN_LENGTH`` iterations in F and BW runs unrolled
+(``unroll_short_scans``); the B and W scans the split makes from BW's keep its params, so they
+run unrolled too.
 
 No equation runs twice, so matmul FLOPs of B plus W equal those of BW exactly. A backward
 ``scan`` (layers run with ``lax.scan``/``nn.scan``) computes both kinds of cotangent in one
@@ -64,9 +65,9 @@ def split(graph: StageGraph) -> tuple[StageProgram, ...]:
 
 #: A stage program's ``scan`` of at most this many iterations (a stage's share of the layers of
 #: an ``nn.scan``) is unrolled (``unroll_short_scans``). The fused backward of the `nn.scan`
-#: GPT's middle stage (2 layers), unrolled and with its dots merged, took 0.59x the time of it
-#: as JAX traced it, where the linen GPT's stages gain 0.68-0.74x from the merge alone
-#: (`benchmarks/bw_split.py`, the project's 2-core Xeon); unrolling more iterations costs
+#: GPT's middle stage (2 layers), unrolled and with its dots merged, took 0.59-0.62x the time of
+#: it as JAX traced it, where the linen GPT's stages gain 0.68-0.77x from the merge alone
+#: (`benchmarks/bw_split.py`, four runs on the project's 2-core Xeon); unrolling more costs
 #: more compile time for what a loop's per-iteration overhead amortises.
 UNROLL_SCAN_LENGTH = 4
 
