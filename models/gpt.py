@@ -47,6 +47,9 @@ class GPTConfig:
     dropout_rate: float = 0.0
     data_noise: float = 0.1  # fraction of tokens in make_batch replaced by uniform noise
     data_seed: int = 0  # picks the fixed successor table the data follow
+    # Compute dtype (flax's ``dtype``): "bfloat16" runs the layers in bfloat16 on float32
+    # parameters, as mixed-precision training does; the loss is computed in float32.
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
@@ -58,6 +61,8 @@ class GPTConfig:
             raise ValueError(f"dropout_rate={self.dropout_rate} must be in [0, 1)")
         if not 0.0 <= self.data_noise <= 1.0:
             raise ValueError(f"data_noise={self.data_noise} must be in [0, 1]")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}; choose 'float32', 'bfloat16' or 'float16'")
         object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
         check_boundaries(self.stage_boundaries, self.num_layers, "block")
 
@@ -83,7 +88,8 @@ def causal_attention(qkv: jax.Array, num_heads: int) -> jax.Array:
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
+    # In float32 whatever the compute dtype, as mixed-precision attention does.
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(qkv.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     return out.reshape(batch, length, d_model)
 
@@ -149,8 +155,8 @@ def balanced_boundaries(cfg: GPTConfig, num_stages: int) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------- linen model
 
 
-def _dense(features: int, name: str) -> nn.Dense:
-    return nn.Dense(features, kernel_init=nn.initializers.normal(INIT_STD), name=name)
+def _dense(features: int, name: str, dtype: str) -> nn.Dense:
+    return nn.Dense(features, kernel_init=nn.initializers.normal(INIT_STD), dtype=dtype, name=name)
 
 
 class Block(nn.Module):
@@ -162,13 +168,13 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        h = nn.LayerNorm(name="ln_1")(x)
-        h = _dense(3 * cfg.d_model, "qkv")(h)
-        h = _dense(cfg.d_model, "attn_proj")(causal_attention(h, cfg.num_heads))
+        h = nn.LayerNorm(dtype=cfg.dtype, name="ln_1")(x)
+        h = _dense(3 * cfg.d_model, "qkv", cfg.dtype)(h)
+        h = _dense(cfg.d_model, "attn_proj", cfg.dtype)(causal_attention(h, cfg.num_heads))
         x = x + self._dropout(h)
-        h = nn.LayerNorm(name="ln_2")(x)
-        h = nn.gelu(_dense(cfg.mlp_dim, "mlp_fc")(h))
-        h = _dense(cfg.d_model, "mlp_proj")(h)
+        h = nn.LayerNorm(dtype=cfg.dtype, name="ln_2")(x)
+        h = nn.gelu(_dense(cfg.mlp_dim, "mlp_fc", cfg.dtype)(h))
+        h = _dense(cfg.d_model, "mlp_proj", cfg.dtype)(h)
         return x + self._dropout(h)
 
     def _dropout(self, h: jax.Array) -> jax.Array:
@@ -184,11 +190,14 @@ class Embedding(nn.Module):
 
     def setup(self) -> None:
         init = nn.initializers.normal(INIT_STD)
-        self.token = nn.Embed(self.cfg.vocab_size, self.cfg.d_model, embedding_init=init)
+        self.token = nn.Embed(
+            self.cfg.vocab_size, self.cfg.d_model, embedding_init=init, dtype=self.cfg.dtype
+        )
         self.position = self.param("position", init, (self.cfg.seq_len, self.cfg.d_model))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.token(tokens) + self.position[None, : tokens.shape[1]]
+        position = self.position[None, : tokens.shape[1]].astype(self.cfg.dtype)
+        return self.token(tokens) + position
 
     def attend(self, h: jax.Array) -> jax.Array:
         return self.token.attend(h)  # h @ embedding.T: the head has no weight of its own
@@ -208,13 +217,14 @@ class GPT(nn.Module):
             h = Block(self.cfg, self.deterministic, name=f"block_{i}")(h)
             if i in self.cfg.stage_boundaries:
                 h = zbjax.stage_boundary(h)
-        h = nn.LayerNorm(name="ln_f")(h)
+        h = nn.LayerNorm(dtype=self.cfg.dtype, name="ln_f")(h)
         return embed.attend(h)
 
 
 def weights_config(cfg: GPTConfig) -> GPTConfig:
-    """Returns ``cfg`` without the fields that do not change the weights (markers, dropout)."""
-    return dataclasses.replace(cfg, stage_boundaries=(), dropout_rate=0.0)
+    """Returns ``cfg`` without the fields that do not change the weights (markers, dropout,
+    compute dtype: parameters are float32 whatever it is)."""
+    return dataclasses.replace(cfg, stage_boundaries=(), dropout_rate=0.0, dtype="float32")
 
 
 # Jitted with the config static: one compiled program per weight shape instead of one dispatch
@@ -238,7 +248,7 @@ def make_loss_fn(cfg: GPTConfig) -> LossFn:
         check_dropout_key(cfg, key)
         rngs = {"dropout": key} if cfg.dropout_rate > 0.0 else None
         logits = model.apply({"params": params}, batch["tokens"], rngs=rngs)
-        return cross_entropy(logits, batch["targets"])
+        return cross_entropy(logits.astype(jnp.float32), batch["targets"])
 
     return loss_fn
 

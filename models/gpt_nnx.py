@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import zbjax
@@ -49,8 +50,8 @@ __all__ = [
 _init = nnx.initializers.normal(INIT_STD)
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, kernel_init=_init, rngs=rngs)
+def _linear(d_in: int, d_out: int, dtype: str, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, kernel_init=_init, dtype=dtype, rngs=rngs)
 
 
 class Block(nnx.Module):
@@ -59,12 +60,13 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
         d = cfg.d_model
         self.num_heads = cfg.num_heads
-        self.ln_1 = nnx.LayerNorm(d, rngs=rngs)
-        self.qkv = _linear(d, 3 * d, rngs)
-        self.attn_proj = _linear(d, d, rngs)
-        self.ln_2 = nnx.LayerNorm(d, rngs=rngs)
-        self.mlp_fc = _linear(d, cfg.mlp_dim, rngs)
-        self.mlp_proj = _linear(cfg.mlp_dim, d, rngs)
+        dtype = cfg.dtype
+        self.ln_1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
+        self.qkv = _linear(d, 3 * d, dtype, rngs)
+        self.attn_proj = _linear(d, d, dtype, rngs)
+        self.ln_2 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
+        self.mlp_fc = _linear(d, cfg.mlp_dim, dtype, rngs)
+        self.mlp_proj = _linear(cfg.mlp_dim, d, dtype, rngs)
         # No dropout module at rate 0 keeps the traced program free of dropout equations; the
         # module holds no RNG state: the key arrives with each call.
         self.dropout = nnx.Dropout(cfg.dropout_rate) if cfg.dropout_rate > 0.0 else None
@@ -85,11 +87,15 @@ class Embedding(nnx.Module):
     """Token + learned position embedding; also the tied LM head (``attend``)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs) -> None:
-        self.token = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, rngs=rngs)
+        self.dtype = cfg.dtype
+        self.token = nnx.Embed(
+            cfg.vocab_size, cfg.d_model, embedding_init=_init, dtype=cfg.dtype, rngs=rngs
+        )
         self.position = nnx.Param(_init(rngs.params(), (cfg.seq_len, cfg.d_model)))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.token(tokens) + self.position[None, : tokens.shape[1]]
+        position = self.position[None, : tokens.shape[1]].astype(self.dtype)
+        return self.token(tokens) + position
 
     def attend(self, h: jax.Array) -> jax.Array:
         return self.token.attend(h)  # h @ embedding.T: the head has no weight of its own
@@ -102,7 +108,7 @@ class GPT(nnx.Module):
         self.stage_boundaries = cfg.stage_boundaries
         self.embed = Embedding(cfg, rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=cfg.dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         h = self.embed(tokens)
@@ -147,7 +153,8 @@ def make_loss_fn(cfg: GPTConfig) -> LossFn:
         check_dropout_key(cfg, key)
         model = nnx.merge(model_graph, params)
         rngs = nnx.Rngs(dropout=key) if cfg.dropout_rate > 0.0 else None
-        return cross_entropy(model(batch["tokens"], rngs), batch["targets"])
+        logits = model(batch["tokens"], rngs).astype(jnp.float32)
+        return cross_entropy(logits, batch["targets"])
 
     return loss_fn
 

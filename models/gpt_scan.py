@@ -64,7 +64,7 @@ class GPT(nn.Module):
             length=self.cfg.num_layers,
         )(self.cfg, self.deterministic, name="blocks")
         h, _ = blocks(embed(tokens), None)
-        h = nn.LayerNorm(name="ln_f")(h)
+        h = nn.LayerNorm(dtype=self.cfg.dtype, name="ln_f")(h)
         return embed.attend(h)
 
 
@@ -98,7 +98,7 @@ def make_loss_fn(cfg: GPTConfig) -> LossFn:
         check_dropout_key(cfg, key)
         rngs = {"dropout": key} if cfg.dropout_rate > 0.0 else None
         logits = model.apply({"params": params}, batch["tokens"], rngs=rngs)
-        return cross_entropy(logits, batch["targets"])
+        return cross_entropy(logits.astype(jnp.float32), batch["targets"])
 
     return loss_fn
 

@@ -233,7 +233,7 @@ def _trace(
 
 def _is_inexact(dtype: Any) -> bool:
     try:
-        return bool(np.issubdtype(dtype, np.inexact))
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
     except TypeError:  # extended dtypes (PRNG keys)
         return False
 
