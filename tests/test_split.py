@@ -385,6 +385,41 @@ def test_residuals_are_deduplicated_and_read_by_the_backward():
     assert sorted(i for i in forwarded_residuals(program) if i is not None) == [0, 2, 3]
 
 
+def test_parameter_casts_and_slices_are_recomputed_in_the_backward_not_stored():
+    def layers(ws, x):
+        # Mixed precision on stacked weights: each layer's weight is a slice of the stack,
+        # cast to bfloat16, both computed from the parameter alone.
+        for k in range(2):
+            x = jnp.tanh(x.astype(jnp.bfloat16) @ ws[k].astype(jnp.bfloat16))
+        return (x.astype(jnp.float32),)
+
+    ws, x = _normal(80, (2, D, D)), _normal(81, (4, D))
+    stage = make_stage(layers, [ws], [], [x])
+    program = split_stage(stage)
+    # F stores no copy of a weight: the only residual of a weight's shape is the stack itself,
+    # which merely forwards the parameter, and B and W cast their slices again.
+    n_out = len(stage.jaxpr.out_avals)
+    residuals = program.forward.jaxpr.outvars[n_out:]
+    pairs = list(zip(residuals, forwarded_residuals(program), strict=True))
+    assert [v.aval.shape for v, f in pairs if f == 0] == [ws.shape]
+    stored = [v.aval for v, f in pairs if f is None]
+    assert stored and all(a.shape[-2:] != (D, D) for a in stored)
+    assert program.activation_bytes == sum(a.size * a.dtype.itemsize for a in stored)
+    casts = [e for e in program.backward.jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert any(e.invars[0].aval.shape == (D, D) for e in casts)
+    # Values and gradients are still those of jax.vjp (with bfloat16's precision).
+    forward = _run(program.forward)(ws, x)
+    ct = _normal(82, (4, D), 1.0)
+    fused = _run(program.backward)(*forward[n_out:], ct)
+    b_outs = _run(program.backward_input)(*forward[n_out:], ct)
+    split_outs = [b_outs[0], *_run(program.backward_weight)(*b_outs[1:])]
+    _, vjp = jax.vjp(lambda w, v: layers(w, v)[0], ws, x)
+    want_dws, want_dx = vjp(ct)
+    for got in (fused, split_outs):
+        np.testing.assert_allclose(got[0], want_dx, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(got[1], want_dws, rtol=2e-2, atol=2e-2)
+
+
 def test_split_graph_returns_one_program_per_stage_in_order():
     params, inputs = _mlp_args()
     stages = (

@@ -73,17 +73,28 @@ UNROLL_SCAN_LENGTH = 4
 
 
 def split_stage(
-    stage: Stage, *, merge_contracting: bool = True, unroll_scans: int = UNROLL_SCAN_LENGTH
+    stage: Stage,
+    *,
+    merge_contracting: bool = True,
+    unroll_scans: int = UNROLL_SCAN_LENGTH,
+    recompute_parameter_casts: bool = True,
 ) -> StageProgram:
     """Returns the stage's forward, split backward (B, W) and fused backward programs.
 
     ``merge_contracting=False`` keeps every ``dot_general`` as JAX traced it, instead of
-    merging adjacent contracting dimensions (``merge_contracting_dims``), and
+    merging adjacent contracting dimensions (``merge_contracting_dims``),
     ``unroll_scans=0`` keeps every ``scan`` a loop, instead of unrolling those of at most
-    that many iterations (``unroll_short_scans``): to measure what each saves.
+    that many iterations (``unroll_short_scans``), and ``recompute_parameter_casts=False``
+    stores the residuals F computes from parameters alone (a weight's bfloat16 copy) per
+    microbatch, instead of computing them again in the backward
+    (``_recompute_parameter_residuals``): to measure what each saves.
     """
     roles = _differentiation_roles(stage)
     forward, backward = _forward_and_backward(stage, roles)
+    if recompute_parameter_casts:
+        forward, backward = _recompute_parameter_residuals(
+            forward, backward, len(stage.jaxpr.out_avals), roles.num_params
+        )
     if merge_contracting:
         # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
         # merged into one they need no transposed copy of the cotangent (in BW, B and W).
@@ -115,8 +126,17 @@ def split_stage(
         flops_backward_weight=matmul_flops(backward_weight),
         flops_backward=matmul_flops(backward),
         param_bytes=avals_bytes(stage.jaxpr.in_avals[:num_params]),
-        activation_bytes=avals_bytes(residual_avals),
+        activation_bytes=_stored_residual_bytes(forward, len(stage.jaxpr.out_avals)),
         stash_bytes=avals_bytes(stash_avals),
+    )
+
+
+def _stored_residual_bytes(forward: ClosedJaxpr, num_outputs: int) -> int:
+    """Returns the bytes of F's residuals that a lowering stores per microbatch: all but those
+    that forward one of F's inputs (a parameter or batch leaf, read where it is resident)."""
+    inputs = set(forward.jaxpr.invars)
+    return avals_bytes(
+        v.aval for v in forward.jaxpr.outvars[num_outputs:] if is_literal(v) or v not in inputs
     )
 
 
@@ -250,6 +270,86 @@ def _forward_and_backward(stage: Stage, roles: _Roles) -> tuple[ClosedJaxpr, Clo
         forward_full.consts,
     )
     return _drop_unread_residuals(forward_unique, backward_full, num_outputs)
+
+
+#: Primitives that only move, reshape or cast their operand: a residual such ops compute from
+#: parameters alone (a layer's slice of stacked weights, a weight cast to bfloat16) is computed
+#: again where the backward runs instead of being stored per microbatch.
+_DATA_MOVEMENT = frozenset(
+    {
+        "slice",
+        "split",
+        "squeeze",
+        "reshape",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "transpose",
+        "concatenate",
+        "copy",
+        "copy_p",
+    }
+)
+
+
+def _recompute_parameter_residuals(
+    forward: ClosedJaxpr, backward: ClosedJaxpr, num_outputs: int, num_params: int
+) -> tuple[ClosedJaxpr, ClosedJaxpr]:
+    """Returns F and BW where residuals that F computes from parameters alone, by data
+    movement only (``_DATA_MOVEMENT``), are recomputed in BW from the parameters.
+
+    Parameters are resident where the backward runs (``forwarded_residuals``), so such a
+    residual costs a per-microbatch slot in F's output for what is a copy of a parameter.
+    BW gets the parameters it needs as residuals instead, and starts with F's equations that
+    compute the dropped residuals from them.
+    """
+    jaxpr = forward.jaxpr
+    derived: set = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
+    producer: dict = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _DATA_MOVEMENT and all(
+            is_literal(v) or v in derived for v in eqn.invars
+        ):
+            for v in _defined(eqn):
+                derived.add(v)
+                producer[v] = eqn
+    residuals = list(jaxpr.outvars[num_outputs:])
+    dropped = [r for r in residuals if not is_literal(r) and r in producer]
+    if not dropped:
+        return forward, backward
+    kept = [r for r in residuals if r not in dropped]
+    # The equations the dropped residuals need, in F's order, and the parameters they read.
+    live, reads = _live(jaxpr.eqns, dropped)
+    eqns = [jaxpr.eqns[k] for k in sorted(live)]
+    params = [v for v in jaxpr.invars[:num_params] if v in reads]
+    recompute = make_closed_jaxpr(
+        params, dropped, eqns, *_used_consts(jaxpr.constvars, forward.consts, eqns, dropped)
+    )
+    extra = [v for v in params if v not in kept]
+    new_forward = dce_closed_jaxpr(
+        make_closed_jaxpr(
+            jaxpr.invars,
+            list(jaxpr.outvars[:num_outputs]) + kept + extra,
+            jaxpr.eqns,
+            jaxpr.constvars,
+            forward.consts,
+        ),
+        [True] * (num_outputs + len(kept) + len(extra)),
+    )
+    residual_of = {v: k for k, v in enumerate(kept + extra)}
+    backward_fn = jaxpr_as_fun(backward)
+    recompute_fn = jaxpr_as_fun(recompute)
+
+    def new_backward(*args: Any) -> list[Any]:
+        values, cts = args[: len(residual_of)], args[len(residual_of) :]
+        recomputed = dict(
+            zip(dropped, recompute_fn(*(values[residual_of[p]] for p in params)), strict=True)
+        )
+        full = [recomputed[r] if r in recomputed else values[residual_of[r]] for r in residuals]
+        return backward_fn(*full, *cts)
+
+    avals = [v.aval for v in kept + extra] + list(backward.in_avals[len(residuals) :])
+    return new_forward, jax.make_jaxpr(new_backward)(*(_sds(a) for a in avals))
 
 
 @dataclass(frozen=True)

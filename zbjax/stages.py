@@ -135,8 +135,9 @@ class StageProgram:
 
     The matmul FLOPs of ``backward_input`` plus ``backward_weight`` equal those of
     ``backward``. Costs are estimates from the jaxprs (matmul FLOPs plus bytes moved); byte
-    counts are per microbatch: ``activation_bytes`` is M_B (residuals kept from F until B),
-    ``stash_bytes`` is M_W (kept from B until W).
+    counts are per microbatch: ``activation_bytes`` is M_B (residuals kept from F until B; not
+    those that merely forward a parameter or batch leaf, which the lowering reads where they
+    are resident), ``stash_bytes`` is M_W (kept from B until W).
     """
 
     stage: Stage
