@@ -12,6 +12,7 @@ differed from ``value_and_grad``'s by 2.2-3.4 %.
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +86,38 @@ def test_bfloat16_nnx_and_scanned_gpts_pipelined_equal_value_and_grad(model, nam
     mesh = jax.make_mesh((4,), ("pp",), devices=jax.devices()[:4])
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule=name, num_microbatches=4)
     _check(*pipe.value_and_grad(params, batch), ref_loss, ref_grads)
+
+
+class _HalfParams(nn.Module):
+    """Dense layers with bfloat16 params and LayerNorms with float32 ones, computing in
+    bfloat16: the staged layout holds a row per dtype."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(4):
+            x = nn.LayerNorm(dtype=jnp.bfloat16)(x)
+            x = jnp.tanh(nn.Dense(32, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x))
+            if i < 3:
+                x = zbjax.stage_boundary(x)
+        return x
+
+
+def test_bfloat16_params_staged_with_data_parallelism_equal_value_and_grad():
+    model = _HalfParams()
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    params = model.init(jax.random.key(0), x)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float32),
+    }
+
+    def loss_fn(params, x):
+        return jnp.mean(model.apply(params, x).astype(jnp.float32) ** 2)
+
+    mesh = jax.make_mesh((2, 2), ("pp", "dp"), devices=jax.devices()[:4])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, axis_name="pp", schedule="zb-v", num_microbatches=4)
+    loss, grads = jax.jit(pipe.value_and_grad)(pipe.stage(params, x), x)
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x)
+    grads = pipe.unstage(grads)
+    assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda g: g.dtype, ref_grads)
+    _check(loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_loss, ref_grads)
