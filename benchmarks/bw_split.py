@@ -109,6 +109,7 @@ class Sizes:
     mlp_width: int = 256
     mlp_layers_per_stage: int = 4
     mlp_batch: int = 512
+    gpt_dtype: str = "float32"  # the GPTs' compute dtype (``GPTConfig.dtype``)
 
 
 SMOKE_SIZES = Sizes(16, 2, 8, 32, 2, 1, 16, 1, 4)
@@ -150,10 +151,13 @@ def reference_cases(sizes: Sizes) -> list[Case]:
         num_heads=sizes.gpt_heads,
         num_layers=3 * b,
         stage_boundaries=(b - 1, 2 * b - 1),
+        dtype=sizes.gpt_dtype,
     )
     gpt_batch = gpt.make_batch(jax.random.key(1), gpt_cfg, sizes.gpt_batch)
     gpt_params = gpt.init_params(key, gpt_cfg)
     what = f"{b} blocks, d {sizes.gpt_width}, seq {sizes.gpt_seq}, batch {sizes.gpt_batch}"
+    if sizes.gpt_dtype != "float32":
+        what += f", {sizes.gpt_dtype}"
     gpt_loss = gpt.make_loss_fn(gpt_cfg)
     for index, where, extra in ((0, "first", "embedding + "), (1, "middle", ""), (2, "last", "")):
         head = " + head" if index == 2 else ""
@@ -173,6 +177,7 @@ def reference_cases(sizes: Sizes) -> list[Case]:
         d_model=sizes.gpt_width,
         num_heads=sizes.gpt_heads,
         num_layers=3 * b,
+        dtype=sizes.gpt_dtype,
     )
     cases.append(
         Case(

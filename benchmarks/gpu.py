@@ -12,7 +12,9 @@ minutes on one H100/H200-class GPU:
    pipeline step; then each program's GPU kernel time from a ``jax.profiler`` trace, GEMM
    kernels apart from the rest (``--dump DIR`` also writes each program's HLO and trace);
    and the time of copying the stash values B writes for W once, the cost of B's copy of
-   them into a slot and of W's out of one (``bw_split.copy_seconds``).
+   them into a slot and of W's out of one (``bw_split.copy_seconds``). The GPT's middle stage
+   runs a second time computing in bfloat16 on float32 params, as mixed-precision training
+   runs it.
 3. **B/W split in the step** (``bw_in_step.py``) at width 4096, on one GPU: the MLP and the
    GPT cut into 3 stages and pipelined on one device by ``dag-zb`` (every backward split)
    against the same schedule with every backward fused, alternating rounds: what the split
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import os
@@ -154,7 +157,12 @@ def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path
     stash once (``bw_split.copy_seconds``), which says how much of the split's cost its two
     copies (into a slot, out of one) explain."""
     measurements, kernel_rows, kernel_ratios = [], [], []
-    for case in bw_split.reference_cases(sizes):
+    # The GPT's middle stage also as mixed-precision training runs it: bfloat16 layers on
+    # float32 params.
+    half = bw_split.reference_cases(dataclasses.replace(sizes, gpt_dtype="bfloat16"))
+    for case in bw_split.reference_cases(sizes) + [
+        c for c in half if c.label.startswith("GPT linen middle")
+    ]:
         p = bw_split.prepare(case, unmerged=True)
         m = bw_split.measure_prepared(case.label, p, repeats, chain, copies=True)
         measurements.append(m)
