@@ -121,3 +121,19 @@ def test_bfloat16_params_staged_with_data_parallelism_equal_value_and_grad():
     grads = pipe.unstage(grads)
     assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda g: g.dtype, ref_grads)
     _check(loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_loss, ref_grads)
+
+
+def test_a_bfloat16_loss_is_returned_in_bfloat16_as_value_and_grad_does():
+    def loss_fn(params, x):
+        h = zbjax.stage_boundary(jnp.tanh(x.astype(jnp.bfloat16) @ params[0].astype(jnp.bfloat16)))
+        return jnp.mean((h @ params[1].astype(jnp.bfloat16)) ** 2)
+
+    keys = jax.random.split(jax.random.key(2), 3)
+    params = [jax.random.normal(k, (16, 16)) / 4 for k in keys[:2]]
+    x = jax.random.normal(keys[2], (8, 16))
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4)
+    loss, grads = pipe.value_and_grad(params, x)
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x)
+    assert loss.dtype == ref_loss.dtype == jnp.bfloat16
+    _check(loss.astype(jnp.float32), grads, ref_loss.astype(jnp.float32), ref_grads)

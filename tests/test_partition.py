@@ -161,11 +161,13 @@ def test_a_marker_inside_control_flow_is_refused(control_flow):
         partition(lambda w, x: jnp.sum(control_flow(x @ w)), jnp.eye(3), jnp.ones((2, 3)))
 
 
-def test_non_scalar_loss_is_refused():
+def test_non_scalar_or_integer_loss_is_refused():
     with pytest.raises(
-        PartitionError, match=r"loss_fn must return a scalar; got shape \[\[2, 3\]\]"
+        PartitionError, match=r"loss_fn must return one floating-point scalar; got float32\[2, 3\]"
     ):
         partition(lambda w, x: x @ w, jnp.eye(3), jnp.ones((2, 3)))
+    with pytest.raises(PartitionError, match=r"floating-point scalar; got int32\[\];"):
+        partition(lambda w, x: jnp.sum(x @ w).astype(jnp.int32), jnp.eye(3), jnp.ones((2, 3)))
 
 
 def test_more_stages_than_the_program_can_be_cut_into_is_refused():

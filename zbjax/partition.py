@@ -223,9 +223,9 @@ def _trace(
     if len(out_avals) != 1 or out_avals[0].shape != () or not _is_inexact(out_avals[0].dtype):
         got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out_avals) or "nothing"
         raise PartitionError(
-            f"loss_fn must return a scalar; got shape {[list(a.shape) for a in out_avals]} "
-            f"({got}); return one floating-point scalar (e.g. the mean loss over the batch) "
-            "and compute metrics outside the pipeline"
+            f"loss_fn must return one floating-point scalar; got {got}; return the loss alone "
+            "as a float scalar (e.g. the mean loss over the batch) and compute metrics outside "
+            "the pipeline"
         )
     flat = _inline_calls(closed)
     return _Program(_dce(flat.jaxpr), tuple(flat.consts), num_params)
