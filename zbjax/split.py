@@ -17,7 +17,10 @@ which spares XLA a transposed copy of the cotangent (``merge_contracting_dims``)
 (``unroll_short_scans``); the B and W scans the split makes from BW's keep its params, so they
 run unrolled too.
 
-No equation runs twice, so matmul FLOPs of B plus W equal those of BW exactly. A backward
+A residual F computes from parameters alone by data movement (a weight's bfloat16 copy in a
+mixed-precision layer) is not stored per microbatch: F returns the parameter, and BW casts it
+again (``_recompute_parameter_residuals``). No matmul runs twice, so matmul FLOPs of B plus W
+equal those of BW exactly. A backward
 ``scan`` (layers run with ``lax.scan``/``nn.scan``) computes both kinds of cotangent in one
 equation; it is split into a B scan, which also stacks the per-iteration values W needs, and a
 W scan over those stacked values. Nested scans inside a scan body are not split further (their
@@ -287,7 +290,6 @@ _DATA_MOVEMENT = frozenset(
         "transpose",
         "concatenate",
         "copy",
-        "copy_p",
     }
 )
 
