@@ -169,9 +169,9 @@ class SlotLayout:
     param or batch leaf. ``residuals[i]`` is where B (or BW) finds residual ``i``; ``stash[i]``
     where W finds stash value ``i``. ``residual_sizes``/``kept_sizes``/``stash_sizes`` are the
     elements used per dtype. With ``overlay``, what B stashes ("overlay" sources, offsets into
-    the overlay region) goes into the residual slot's overlay region, its last
-    ``Lowering.overlay_capacity`` elements, past ``weight_residual_sizes`` (the residuals W
-    reads there, first in the slot); ``stash_sizes`` is then the region it needs.
+    the overlay region) goes into the residual slot's overlay region, which starts right after
+    ``weight_residual_sizes`` (the residuals W reads there, first in the slot);
+    ``stash_sizes`` is then the region it needs.
     """
 
     residuals: tuple[tuple[str, Any], ...]
@@ -295,8 +295,9 @@ class Lowering:
     residual_capacity: tuple[int, ...]
     kept_capacity: tuple[int, ...]
     stash_capacity: tuple[int, ...]
-    #: Per dtype, the residual slot's last elements where B writes W's stash over residuals
-    #: only B read (``SlotLayout.overlay``); zero when the stash has slots of its own.
+    #: Per dtype, the largest overlay region: where a stage's B writes W's stash over
+    #: residuals only B read, right after those its W reads (``SlotLayout.overlay``); zero
+    #: when the stash has slots of its own.
     overlay_capacity: tuple[int, ...]
     message_dtypes: tuple[str, ...]
     message_capacity: tuple[int, ...]
@@ -475,9 +476,18 @@ def _capacities(
     none, split = (0,) * num_dtypes, sorted(split_stages)
     if not any(s.overlay for s in slot_layouts):
         return residual, kept, stash, none
-    # The overlay region ends the slot, after every split stage's own W residuals.
+    # A stage's overlay region starts right after the residuals its own W reads, and holds
+    # its own stash.
     residual = tuple(
-        max([residual[k], *(slot_layouts[s].weight_residual_sizes[k] + stash[k] for s in split)])
+        max(
+            [
+                residual[k],
+                *(
+                    slot_layouts[s].weight_residual_sizes[k] + slot_layouts[s].stash_sizes[k]
+                    for s in split
+                ),
+            ]
+        )
         for k in range(num_dtypes)
     )
     return residual, kept, none, stash
@@ -696,9 +706,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     slots = low.slot_layouts[stage_index]
 
     def overlay_item(item):
-        # Offsets into the overlay region, which ends the residual slot.
+        # Offsets into the stage's overlay region, right after the residuals its W reads.
         k, offset, shape = item
-        return k, low.residual_capacity[k] - low.overlay_capacity[k] + offset, shape
+        return k, slots.weight_residual_sizes[k] + offset, shape
 
     edge_packing = {e: packing(graph.edges[e].values, msg_dtypes) for e in range(len(edges))}
     reads = incoming_messages(edges, stage_index, kind != FORWARD)
