@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +137,12 @@ def mlp_case(width: int, layers: int, batch: int) -> Case:
     )
 
 
-def reference_cases(sizes: Sizes) -> list[Case]:
-    """Returns the stages to time: MLP middle, GPT first/middle/last, scanned GPT middle."""
-    from models import gpt, gpt_scan
+def _gpt_config(sizes: Sizes) -> Any:
+    """Returns the GPT of 3 stages of ``sizes.blocks_per_stage`` blocks, cut by markers."""
+    from models import gpt
 
-    key = jax.random.key(0)
-    cases = [mlp_case(sizes.mlp_width, sizes.mlp_layers_per_stage, sizes.mlp_batch)]
     b = sizes.blocks_per_stage
-    gpt_cfg = gpt.GPTConfig(
+    return gpt.GPTConfig(
         vocab_size=sizes.gpt_vocab,
         seq_len=sizes.gpt_seq,
         d_model=sizes.gpt_width,
@@ -153,43 +151,57 @@ def reference_cases(sizes: Sizes) -> list[Case]:
         stage_boundaries=(b - 1, 2 * b - 1),
         dtype=sizes.gpt_dtype,
     )
-    gpt_batch = gpt.make_batch(jax.random.key(1), gpt_cfg, sizes.gpt_batch)
-    gpt_params = gpt.init_params(key, gpt_cfg)
-    what = f"{b} blocks, d {sizes.gpt_width}, seq {sizes.gpt_seq}, batch {sizes.gpt_batch}"
-    if sizes.gpt_dtype != "float32":
-        what += f", {sizes.gpt_dtype}"
-    gpt_loss = gpt.make_loss_fn(gpt_cfg)
-    for index, where, extra in ((0, "first", "embedding + "), (1, "middle", ""), (2, "last", "")):
-        head = " + head" if index == 2 else ""
-        cases.append(
-            Case(
-                f"GPT linen {where} ({extra}{what}{head})",
-                gpt_loss,
-                gpt_params,
-                gpt_batch,
-                None,
-                index,
-            )
-        )
-    scan_cfg = gpt.GPTConfig(
-        vocab_size=sizes.gpt_vocab,
-        seq_len=sizes.gpt_seq,
-        d_model=sizes.gpt_width,
-        num_heads=sizes.gpt_heads,
-        num_layers=3 * b,
-        dtype=sizes.gpt_dtype,
+
+
+def _gpt_what(sizes: Sizes) -> str:
+    what = (
+        f"{sizes.blocks_per_stage} blocks, d {sizes.gpt_width}, seq {sizes.gpt_seq}, "
+        f"batch {sizes.gpt_batch}"
     )
-    cases.append(
+    return what if sizes.gpt_dtype == "float32" else f"{what}, {sizes.gpt_dtype}"
+
+
+def gpt_linen_cases(sizes: Sizes) -> list[Case]:
+    """Returns the linen GPT's first, middle and last stages (3 stages cut by markers)."""
+    from models import gpt
+
+    cfg = _gpt_config(sizes)
+    batch = gpt.make_batch(jax.random.key(1), cfg, sizes.gpt_batch)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    loss_fn = gpt.make_loss_fn(cfg)
+    what = _gpt_what(sizes)
+    return [
         Case(
-            f"GPT nn.scan middle (auto cut, {what})",
-            gpt_scan.make_loss_fn(scan_cfg),
-            gpt_scan.init_params(key, scan_cfg),
-            gpt_batch,
-            3,
-            1,
+            f"GPT linen {where} ({extra}{what}{' + head' if index == 2 else ''})",
+            loss_fn,
+            params,
+            batch,
+            None,
+            index,
         )
+        for index, where, extra in (
+            (0, "first", "embedding + "),
+            (1, "middle", ""),
+            (2, "last", ""),
+        )
+    ]
+
+
+def reference_cases(sizes: Sizes) -> list[Case]:
+    """Returns the stages to time: MLP middle, GPT first/middle/last, scanned GPT middle."""
+    from models import gpt, gpt_scan
+
+    scan_cfg = replace(_gpt_config(sizes), stage_boundaries=())
+    scanned = Case(
+        f"GPT nn.scan middle (auto cut, {_gpt_what(sizes)})",
+        gpt_scan.make_loss_fn(scan_cfg),
+        gpt_scan.init_params(jax.random.key(0), scan_cfg),
+        gpt.make_batch(jax.random.key(1), scan_cfg, sizes.gpt_batch),
+        3,
+        1,
     )
-    return cases
+    mlp = mlp_case(sizes.mlp_width, sizes.mlp_layers_per_stage, sizes.mlp_batch)
+    return [mlp, *gpt_linen_cases(sizes), scanned]
 
 
 def _block(x: Any) -> Any:

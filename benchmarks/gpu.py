@@ -159,10 +159,8 @@ def bw_split_section(sizes: bw_split.Sizes, repeats: int, chain: int, dump: Path
     measurements, kernel_rows, kernel_ratios = [], [], []
     # The GPT's middle stage also as mixed-precision training runs it: bfloat16 layers on
     # float32 params.
-    half = bw_split.reference_cases(dataclasses.replace(sizes, gpt_dtype="bfloat16"))
-    for case in bw_split.reference_cases(sizes) + [
-        c for c in half if c.label.startswith("GPT linen middle")
-    ]:
+    half = bw_split.gpt_linen_cases(dataclasses.replace(sizes, gpt_dtype="bfloat16"))[1]
+    for case in [*bw_split.reference_cases(sizes), half]:
         p = bw_split.prepare(case, unmerged=True)
         m = bw_split.measure_prepared(case.label, p, repeats, chain, copies=True)
         measurements.append(m)

@@ -21,9 +21,9 @@ import pytest
 import zbjax
 from models import gpt, gpt_nnx, gpt_scan
 from zbjax.partition import partition
+from zbjax.pipeline import TWO_STAGES_PER_DEVICE
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
-TWO_STAGES_PER_DEVICE = ("interleaved-1f1b", "zb-v")
 GPT_SIZES = dict(vocab_size=32, seq_len=8, d_model=16, num_heads=2, dtype="bfloat16")
 MODULES = {"gpt": gpt, "gpt_nnx": gpt_nnx, "gpt_scan": gpt_scan}
 #: A leaf's gradient may differ from value_and_grad's by this fraction of its largest entry

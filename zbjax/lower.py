@@ -128,10 +128,6 @@ def _union_dtypes(avals: Sequence[Any]) -> tuple[str, ...]:
     return tuple(sorted({dtype_name(a.dtype) for a in avals}))
 
 
-def _is_float(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
 def message_edges(graph: StageGraph) -> tuple[MessageEdge, ...]:
     """Returns the graph's edges as the tick tables see them (cotangents where src needs them)."""
     out = []

@@ -48,7 +48,7 @@ from zbjax import cost_model
 from zbjax._jax_compat import scan_counts
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
-from zbjax.stages import Edge, Stage, StageGraph
+from zbjax.stages import Edge, Stage, StageGraph, has_cotangent
 
 #: Automatic cuts may exceed the best achievable maximum stage cost by this fraction when that
 #: lets a cut cross fewer live activation bytes (less to send between devices).
@@ -220,7 +220,7 @@ def _trace(
 
     closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
     out_avals = closed.out_avals
-    if len(out_avals) != 1 or out_avals[0].shape != () or not _is_inexact(out_avals[0].dtype):
+    if len(out_avals) != 1 or out_avals[0].shape != () or not has_cotangent(out_avals[0].dtype):
         got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out_avals) or "nothing"
         raise PartitionError(
             f"loss_fn must return one floating-point scalar; got {got}; return the loss alone "
@@ -229,13 +229,6 @@ def _trace(
         )
     flat = _inline_calls(closed)
     return _Program(_dce(flat.jaxpr), tuple(flat.consts), num_params)
-
-
-def _is_inexact(dtype: Any) -> bool:
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.inexact))
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
@@ -480,8 +473,8 @@ def _build_graph(
                 batch_leaves=tuple(batch_read[s]),
                 in_edges=in_edges,
                 out_edges=out_edges,
-                input_differentiable=tuple(_is_inexact(v.aval.dtype) for v in inputs),
-                output_differentiable=tuple(_is_inexact(a.aval.dtype) for a in outputs),
+                input_differentiable=tuple(has_cotangent(v.aval.dtype) for v in inputs),
+                output_differentiable=tuple(has_cotangent(a.aval.dtype) for a in outputs),
                 cost=cost_model.jaxpr_cost(closed),
             )
         )

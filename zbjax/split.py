@@ -58,7 +58,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.cost_model import avals_bytes, jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
-from zbjax.stages import Stage, StageGraph, StageProgram
+from zbjax.stages import Stage, StageGraph, StageProgram, has_cotangent
 
 
 def split(graph: StageGraph) -> tuple[StageProgram, ...]:
@@ -137,10 +137,9 @@ def split_stage(
 def _stored_residual_bytes(forward: ClosedJaxpr, num_outputs: int) -> int:
     """Returns the bytes of F's residuals that a lowering stores per microbatch: all but those
     that forward one of F's inputs (a parameter or batch leaf, read where it is resident)."""
-    inputs = set(forward.jaxpr.invars)
-    return avals_bytes(
-        v.aval for v in forward.jaxpr.outvars[num_outputs:] if is_literal(v) or v not in inputs
-    )
+    residuals = forward.jaxpr.outvars[num_outputs:]
+    forwarded = _forwarded_inputs(forward, num_outputs)
+    return avals_bytes(v.aval for v, f in zip(residuals, forwarded, strict=True) if f is None)
 
 
 def forwarded_residuals(program: StageProgram) -> tuple[int | None, ...]:
@@ -150,8 +149,11 @@ def forwarded_residuals(program: StageProgram) -> tuple[int | None, ...]:
     batch leaf are already resident where B runs; a lowering may read them from there instead of
     storing them per microbatch. Indices are positions in ``Stage.jaxpr``'s inputs.
     """
-    jaxpr = program.forward.jaxpr
-    num_outputs = len(program.stage.jaxpr.out_avals)
+    return _forwarded_inputs(program.forward, len(program.stage.jaxpr.out_avals))
+
+
+def _forwarded_inputs(forward: ClosedJaxpr, num_outputs: int) -> tuple[int | None, ...]:
+    jaxpr = forward.jaxpr
     position = {v: i for i, v in enumerate(jaxpr.invars)}
     return tuple(None if is_literal(v) else position.get(v) for v in jaxpr.outvars[num_outputs:])
 
@@ -200,7 +202,7 @@ def _differentiation_roles(stage: Stage) -> _Roles:
         ("output", out_avals, stage.output_differentiable, 0),
     ):
         for k, flag in enumerate(flags):
-            if flag and not _inexact(avals[offset + k]):
+            if flag and not has_cotangent(avals[offset + k].dtype):
                 raise PartitionError(
                     f"stage {stage.index} ({stage.name!r}) flags {kind} {k} of type "
                     f"{avals[offset + k].str_short()} as differentiable; only floating "
@@ -210,7 +212,7 @@ def _differentiation_roles(stage: Stage) -> _Roles:
         input_positions=tuple(
             first_input + k for k, flag in enumerate(stage.input_differentiable) if flag
         ),
-        param_positions=tuple(k for k in range(num_params) if _inexact(in_avals[k])),
+        param_positions=tuple(k for k in range(num_params) if has_cotangent(in_avals[k].dtype)),
         output_positions=tuple(k for k, flag in enumerate(stage.output_differentiable) if flag),
         num_params=num_params,
     )
@@ -306,20 +308,19 @@ def _recompute_parameter_residuals(
     compute the dropped residuals from them.
     """
     jaxpr = forward.jaxpr
-    derived: set = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
-    producer: dict = {}
+    # Values computed from parameters (and constants) by data movement alone.
+    sources = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
+    derived: set = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _DATA_MOVEMENT and all(
-            is_literal(v) or v in derived for v in eqn.invars
+            is_literal(v) or v in sources or v in derived for v in eqn.invars
         ):
-            for v in _defined(eqn):
-                derived.add(v)
-                producer[v] = eqn
+            derived |= _defined(eqn)
     residuals = list(jaxpr.outvars[num_outputs:])
-    dropped = [r for r in residuals if not is_literal(r) and r in producer]
+    dropped = [r for r in residuals if not is_literal(r) and r in derived]
     if not dropped:
         return forward, backward
-    kept = [r for r in residuals if r not in dropped]
+    kept = [r for r in residuals if is_literal(r) or r not in derived]
     # The equations the dropped residuals need, in F's order, and the parameters they read.
     live, reads = _live(jaxpr.eqns, dropped)
     eqns = [jaxpr.eqns[k] for k in sorted(live)]
@@ -713,10 +714,6 @@ def _used_consts(
 def _merge(diff: list, aux: list, diff_positions: Sequence[int], total: int) -> list:
     diff_iter, aux_iter = iter(diff), iter(aux)
     return [next(diff_iter) if k in diff_positions else next(aux_iter) for k in range(total)]
-
-
-def _inexact(aval: Any) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _sds(aval: Any) -> jax.ShapeDtypeStruct:

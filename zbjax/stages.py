@@ -36,6 +36,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+
+def has_cotangent(dtype: Any) -> bool:
+    """Returns whether values of ``dtype`` are differentiated: floating and complex dtypes,
+    bfloat16 included (NumPy's own ``issubdtype`` does not count it as inexact); not
+    integers, booleans or PRNG keys."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
 
 
 def leading_rows(value: Any, rows: tuple[int, int] | None) -> Any:
