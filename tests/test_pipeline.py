@@ -103,6 +103,25 @@ def test_dropout_key_gives_microbatch_i_fold_in_key_i():
     assert_close(result, reference(params, batch, key))
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_float64_model_under_enable_x64_matches_value_and_grad(name):
+    # With x64 on, Python ints trace as int64: the slot reads and writes once mixed them with
+    # the int32 slot index and failed inside lax.dynamic_update_slice.
+    with jax.enable_x64(True):
+        as64 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float64), tree)  # noqa: E731
+        params = as64(mlp.init_params(jax.random.key(0), MLP_CFG))
+        batch = as64(mlp.make_batch(jax.random.key(1), MLP_CFG, 16))
+        loss_fn = mlp.make_loss_fn(MLP_CFG)
+        pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=name, num_microbatches=4)
+        loss, grads = pipe.value_and_grad(params, batch)
+        ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+        assert loss.dtype == jnp.float64
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            assert g.dtype == jnp.float64
+            np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-13)
+
+
 # ----------------------------------------------------------------------------- layouts, jit
 
 

@@ -615,17 +615,25 @@ def read_apart(read: Callable[[], Any], code: jax.Array) -> Any:
     )
 
 
+def _slot_index(slot: jax.Array, offset: int) -> tuple:
+    """Returns the start index (slot, offset) in one integer dtype, ``slot``'s: with
+    ``jax_enable_x64`` a Python int would be int64 beside the int32 slot, which the dynamic
+    slices refuse."""
+    slot = jnp.asarray(slot)
+    return slot, jnp.asarray(offset, slot.dtype)
+
+
 def _read_slot(buffers: Sequence[jax.Array], slot: jax.Array, item: tuple) -> jax.Array:
     k, offset, shape = item
     size = int(np.prod(shape, dtype=np.int64))
-    flat = jax.lax.dynamic_slice(buffers[k], (slot, offset), (1, size))
+    flat = jax.lax.dynamic_slice(buffers[k], _slot_index(slot, offset), (1, size))
     return flat.reshape(shape)
 
 
 def _write_slot(buffers: list[jax.Array], slot: jax.Array, item: tuple, value: jax.Array) -> None:
     k, offset, _ = item
     flat = jnp.ravel(value).astype(buffers[k].dtype)[None]
-    buffers[k] = jax.lax.dynamic_update_slice(buffers[k], flat, (slot, offset))
+    buffers[k] = jax.lax.dynamic_update_slice(buffers[k], flat, _slot_index(slot, offset))
 
 
 @dataclass(frozen=True)
