@@ -32,7 +32,8 @@ def run_schedule(
     *,
     jit: bool = True,
 ) -> tuple[jax.Array, Any]:
-    """Returns (loss, grads): mean loss over microbatches and grads in ``params``' structure.
+    """Returns (loss, grads): mean loss over microbatches and grads in ``params``' structure
+    (``((loss, aux), grads)`` when the graph has ``aux_treedef``, aux averaged the same way).
 
     ``batch`` is the full batch; every leaf is split along axis 0 into
     ``schedule.num_microbatches`` microbatches. When the graph was partitioned with a ``key``,
@@ -52,7 +53,7 @@ def run_schedule(
     runner = _Runner(graph, programs, param_leaves, batch_leaves, m, jit)
     runner.run(schedule)
     grads = jax.tree_util.tree_unflatten(graph.params_treedef, runner.grads)
-    return runner.loss, grads
+    return graph.loss_and_aux(runner.totals), grads
 
 
 def _check_inputs(graph: StageGraph, programs: Sequence[StageProgram], schedule: Schedule) -> None:
@@ -143,7 +144,11 @@ class _Runner:
         self.stash: dict[tuple[int, int], list[Any]] = {}
         self.done: set[Action] = set()
         self.grads = [jnp.zeros(a.shape, a.dtype) for a in graph.param_avals]
-        self.loss = jnp.zeros((), jnp.float32)
+        # The loss stage's outputs, averaged over microbatches: the loss (in float32), its aux.
+        aux_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
+        self.totals = [jnp.zeros((), jnp.float32)] + [
+            jnp.zeros(a.shape, a.dtype) for a in aux_avals
+        ]
 
     def run(self, schedule: Schedule) -> None:
         cursor = [0] * schedule.num_devices
@@ -197,7 +202,10 @@ class _Runner:
             outs = list(fns["F"](*args))
             num_out = len(stage.output_differentiable)
             if s == self.graph.loss_stage:
-                self.loss = self.loss + outs[0].astype(jnp.float32) / self.m
+                self.totals = [
+                    t + jnp.asarray(o).astype(t.dtype) / self.m
+                    for t, o in zip(self.totals, outs[:num_out], strict=True)
+                ]
             for e, values in self._by_edge(stage.out_edges, outs[:num_out]):
                 self.sent[(e, i)] = values
             self.residuals[(s, i)] = outs[num_out:]

@@ -273,7 +273,9 @@ class Lowering:
 
     ``step(staged_params, microbatched_batch_leaves)`` is the function to call inside
     ``jax.jit``: batch leaves have a leading ``num_microbatches`` axis; it returns
-    ``(loss, staged_grads)`` with the loss averaged over microbatches. Mesh axes other than
+    ``(loss, staged_grads)`` with the loss averaged over microbatches (``((loss, aux),
+    staged_grads)`` when the graph has ``aux_treedef``, each aux leaf averaged the same way).
+    Mesh axes other than
     ``axis_name`` are data parallel: every batch leaf's rows (axis 1) are split over them, so
     the stage programs must have been traced for ``rows / data_parallel_size`` rows, and the
     loss and grads are averaged over them.
@@ -645,7 +647,7 @@ class _TickState:
     stash: list  # per slot dtype, [stash slots, capacity]
     grads: list  # per param dtype, the device's gradient row
     sends: list  # per shift, per message dtype, the payload to send
-    loss: jax.Array
+    loss: list  # the loss stage's outputs summed over its forwards so far: loss, then aux
 
 
 jax.tree_util.register_dataclass(
@@ -653,6 +655,10 @@ jax.tree_util.register_dataclass(
     data_fields=["residuals", "kept", "stash", "grads", "sends", "loss"],
     meta_fields=[],
 )
+
+
+def _zeros(avals: Sequence[Any]) -> list[jax.Array]:
+    return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
 
 def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
@@ -666,7 +672,7 @@ def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
     The dependency is one element of each written buffer, selected under a predicate that is
     never true (action codes are not negative), so the payload's values never change.
     """
-    written = [*state.residuals, *state.kept, *state.stash, *state.grads, state.loss]
+    written = [*state.residuals, *state.kept, *state.stash, *state.grads, *state.loss]
     parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in written if b.size]
     if not parts:
         return state
@@ -822,7 +828,10 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 outs = jaxpr_as_fun(program.forward)(*params, *batch, *inputs)
                 outputs, residuals = outs[:n_outputs], outs[n_outputs:]
                 if stage_index == graph.loss_stage:
-                    loss = loss + outputs[0].astype(loss.dtype)
+                    loss = [
+                        acc + jnp.asarray(out).astype(acc.dtype)
+                        for acc, out in zip(loss, outputs, strict=True)
+                    ]
                 else:
                     sends = place_sends(
                         sends,
@@ -950,7 +959,7 @@ def _run(
     made = {key: _make_action(low, *key) for key in sorted(set().union(*lane_keys))}
     xs = tuple(jnp.asarray(x) for x in _tick_inputs(low))
     num_micro = low.schedule.num_microbatches
-    loss_aval = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals[0]
+    loss_avals = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals
     msg_slots = tables.num_message_slots + 1  # + the spare that absorbs "nothing arrives"
     data_axes = low.data_axes
     always_exchanges = tables.exchanges.all(axis=0)
@@ -993,9 +1002,7 @@ def _run(
             # The send payloads are carried from tick to tick, not refilled: an action writes
             # the positions it sends, and whatever a position held before goes, if it travels
             # at all, to the spare message slot.
-            state = _TickState(
-                residual_buf, kept_buf, stash_buf, grads, sends, jnp.zeros((), loss_aval.dtype)
-            )
+            state = _TickState(residual_buf, kept_buf, stash_buf, grads, sends, _zeros(loss_avals))
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
             # buffers in place on XLA. Kind by kind (``PHASES``), lanes in order within a kind.
@@ -1069,12 +1076,12 @@ def _run(
                 state.grads,
                 message_buf,
                 state.sends,
-                loss_sum + state.loss,
+                [a + b for a, b in zip(loss_sum, state.loss, strict=True)],
             )
             return carry, None
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
-        zero = jnp.zeros((), loss_aval.dtype)
+        zero = _zeros(loss_avals)
         sends = [
             [
                 jnp.zeros(n * c, dt)
@@ -1086,7 +1093,8 @@ def _run(
         (residual_buf, kept_buf, stash_buf, grads, _, _, loss_sum), _ = jax.lax.scan(
             tick, carry, xs
         )
-        loss = jax.lax.psum(loss_sum, axis) / num_micro
+        # The loss and its aux, summed on the loss stage's device: their means, on every device.
+        loss = [t / num_micro for t in jax.lax.psum(loss_sum, axis)]
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
             loss = jax.lax.pmean(loss, data_axes)
@@ -1112,7 +1120,7 @@ def _run(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=(
-            PartitionSpec(),
+            [PartitionSpec()] * len(loss_avals),
             [PartitionSpec(axis)] * len(staged.rows),
             [low.pool_spec] * len(pools or ()),
         ),
@@ -1136,6 +1144,7 @@ def _run(
             in_specs,
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
-    loss, grad_rows, out_pools = run(*args)
+    totals, grad_rows, out_pools = run(*args)
+    loss = low.graph.loss_and_aux(totals)
     grads = StagedParams(grad_rows, staged.dtypes)
     return (loss, grads) if pools is None else (loss, grads, out_pools)

@@ -58,28 +58,33 @@ def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
 
 
 def reference_value_and_grad(
-    loss_fn: Callable[..., jax.Array],
+    loss_fn: Callable[..., Any],
     params: Any,
     batch: Any,
     num_microbatches: int,
     key: jax.Array | None = None,
-) -> tuple[jax.Array, Any]:
+    *,
+    has_aux: bool = False,
+) -> tuple[Any, Any]:
     """Returns (loss, grads): the mean over microbatches of ``jax.value_and_grad(loss_fn)``.
 
     Microbatch ``i`` is called as ``loss_fn(params, microbatch_i)``, or with
     ``key=...`` as ``loss_fn(params, microbatch_i, jax.random.fold_in(key, i))``. This is what a
     pipelined run must match; for a mean loss without a key it equals the full-batch result.
+    With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` and this returns ``((loss, aux),
+    grads)``, aux the mean of its per-microbatch values.
     """
     microbatches = split_microbatches(batch, num_microbatches)
-    value_and_grad = jax.value_and_grad(loss_fn)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     keys = None if key is None else microbatch_keys(key, num_microbatches)
-    loss_sum = None
+    value_sum = None
     grad_sum = None
     for i in range(num_microbatches):
         microbatch = jax.tree.map(lambda leaf, i=i: leaf[i], microbatches)
         extra = () if keys is None else (keys[i],)
-        loss, grads = value_and_grad(params, microbatch, *extra)
-        loss_sum = loss if loss_sum is None else loss_sum + loss
+        value, grads = value_and_grad(params, microbatch, *extra)
+        value_sum = value if value_sum is None else jax.tree.map(jnp.add, value_sum, value)
         grad_sum = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
     scale = 1.0 / num_microbatches
-    return loss_sum * scale, jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grad_sum)
+    mean = jax.tree.map(lambda v: v * jnp.asarray(scale, jnp.result_type(v)), value_sum)
+    return mean, jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grad_sum)

@@ -68,6 +68,8 @@ class _Program:
     jaxpr: Jaxpr
     consts: tuple[Any, ...]
     num_params: int
+    # With has_aux: the treedef of loss_fn's aux output, whose leaves are outvars 1, 2, ...
+    aux_treedef: Any = None
 
 
 def partition(
@@ -78,6 +80,7 @@ def partition(
     num_stages: int | None = None,
     key: Any = None,
     assign: Callable[[ClosedJaxpr, int], Sequence[int]] | None = None,
+    has_aux: bool = False,
 ) -> StageGraph:
     """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
 
@@ -89,13 +92,18 @@ def partition(
     ``(microbatch, key)``: the key is a batch leaf, one per microbatch (see
     ``zbjax.microbatch.microbatch_keys``). With ``assign``, the callable picks every
     equation's stage (module docstring) and ``num_stages``, when given, must match its count.
+    With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` as for ``jax.value_and_grad(...,
+    has_aux=True)``; the aux leaves (floating arrays) are outputs of the loss stage, carried
+    to it from the stages that compute them, and ``graph.aux_treedef`` rebuilds the pytree.
     """
     if num_stages is not None and num_stages < 1:
         raise PartitionError(f"num_stages={num_stages}; ask for at least 1 stage")
     batch = microbatch if key is None else (microbatch, key)
     param_avals, params_treedef = _flat_avals(params)
     batch_avals, batch_treedef = _flat_avals(batch)
-    program = _traced(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key)
+    program = _traced(
+        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux
+    )
     eqns = list(program.jaxpr.eqns)
     markers = [i for i, eqn in enumerate(eqns) if is_stage_boundary(eqn)]
     if assign is not None:
@@ -172,6 +180,7 @@ def _traced(
     param_avals: Sequence[jax.ShapeDtypeStruct],
     batch_avals: Sequence[jax.ShapeDtypeStruct],
     key: Any,
+    has_aux: bool = False,
 ) -> _Program:
     """Returns ``_trace``'s program, traced once per (loss_fn, shapes) for repeated cuts.
 
@@ -182,8 +191,8 @@ def _traced(
     try:
         hash(args)
     except TypeError:  # an unhashable loss_fn: trace without the cache
-        return _trace(*args, key)
-    return _trace_cached(*args, key is not None)
+        return _trace(*args, key, has_aux)
+    return _trace_cached(*args, key is not None, has_aux)
 
 
 @functools.lru_cache(maxsize=4)
@@ -194,10 +203,10 @@ def _trace_cached(
     param_avals: tuple[jax.ShapeDtypeStruct, ...],
     batch_avals: tuple[jax.ShapeDtypeStruct, ...],
     has_key: bool,
+    has_aux: bool,
 ) -> _Program:
-    return _trace(
-        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, True if has_key else None
-    )
+    key = True if has_key else None
+    return _trace(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux)
 
 
 def _trace(
@@ -207,28 +216,64 @@ def _trace(
     param_avals: Sequence[jax.ShapeDtypeStruct],
     batch_avals: Sequence[jax.ShapeDtypeStruct],
     key: Any,
+    has_aux: bool = False,
 ) -> _Program:
     num_params = len(param_avals)
+    aux_treedef = []
 
     def flat_loss(*leaves: Any) -> Any:
         params = jax.tree_util.tree_unflatten(params_treedef, leaves[:num_params])
         batch = jax.tree_util.tree_unflatten(batch_treedef, leaves[num_params:])
         if key is None:
-            return loss_fn(params, batch)
-        microbatch, microbatch_key = batch
-        return loss_fn(params, microbatch, microbatch_key)
+            out = loss_fn(params, batch)
+        else:
+            microbatch, microbatch_key = batch
+            out = loss_fn(params, microbatch, microbatch_key)
+        if not has_aux:
+            return out
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise PartitionError(
+                f"with has_aux=True, loss_fn must return a pair (loss, aux); got "
+                f"{type(out).__name__}; return (loss, aux), or pass has_aux=False"
+            )
+        aux_leaves, treedef = jax.tree_util.tree_flatten(out[1])
+        aux_treedef.append(treedef)
+        return [out[0], *aux_leaves]
 
     closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
     out_avals = closed.out_avals
-    if len(out_avals) != 1 or out_avals[0].shape != () or not has_cotangent(out_avals[0].dtype):
-        got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in out_avals) or "nothing"
+    loss_avals = out_avals[:1] if has_aux else out_avals
+    if len(loss_avals) != 1 or loss_avals[0].shape != () or not has_cotangent(loss_avals[0].dtype):
+        got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in loss_avals) or "nothing"
         raise PartitionError(
             f"loss_fn must return one floating-point scalar; got {got}; return the loss alone "
-            "as a float scalar (e.g. the mean loss over the batch) and compute metrics outside "
-            "the pipeline"
+            "as a float scalar (e.g. the mean loss over the batch), or return (loss, aux) "
+            "with metrics in aux and pass has_aux=True"
         )
+    if has_aux:
+        _check_aux(aux_treedef[0], out_avals[1:])
     flat = _inline_calls(closed)
-    return _Program(_dce(flat.jaxpr), tuple(flat.consts), num_params)
+    return _Program(
+        _dce(flat.jaxpr), tuple(flat.consts), num_params, aux_treedef[0] if has_aux else None
+    )
+
+
+def _check_aux(treedef: Any, avals: Sequence[Any]) -> None:
+    """Raises a ``PartitionError`` naming the first aux leaf that is not floating: the pipeline
+    returns the mean of each aux leaf over the microbatches, as it does the loss."""
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(treedef, list(range(len(avals))))
+        )[0]
+    ]
+    for path, aval in zip(paths, avals, strict=True):
+        if not jnp.issubdtype(aval.dtype, jnp.floating):
+            raise PartitionError(
+                f"aux leaf {path or '(the aux itself)'} is {aval.dtype}{list(aval.shape)}; the "
+                "pipeline returns each aux leaf's mean over the microbatches, as it does the "
+                "loss, so return floating values (e.g. jnp.mean(correct.astype(jnp.float32)))"
+            )
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
@@ -428,8 +473,8 @@ def _build_graph(
     for i, eqn in enumerate(eqns):
         stage_eqns[eqn_stages[i]].append(eqn)
         reads[eqn_stages[i]].extend(eqn.invars)
-    loss = jaxpr.outvars[0]
-    reads[count - 1].append(loss)
+    loss, aux = jaxpr.outvars[0], list(jaxpr.outvars[1:])
+    reads[count - 1].extend([loss, *aux])
     params_read: list[list[int]] = []
     batch_read: list[list[int]] = []
     received: dict[tuple[int, int], list[Var]] = {}
@@ -452,7 +497,7 @@ def _build_graph(
         inputs = [v for e in in_edges for v in received[pairs[e]]]
         outputs = [v for e in out_edges for v in received[pairs[e]]]
         if s == count - 1:
-            outputs = [loss]
+            outputs = [loss, *aux]
         param_vars = [jaxpr.invars[i] for i in params_read[s]]
         rows, sliced = _row_sliced_params(stage_eqns[s], param_vars, outputs)
         param_inputs = [
@@ -474,7 +519,12 @@ def _build_graph(
                 in_edges=in_edges,
                 out_edges=out_edges,
                 input_differentiable=tuple(has_cotangent(v.aval.dtype) for v in inputs),
-                output_differentiable=tuple(has_cotangent(a.aval.dtype) for a in outputs),
+                # The loss stage differentiates the loss alone, not its aux outputs.
+                output_differentiable=(
+                    (True,) + (False,) * len(aux)
+                    if s == count - 1
+                    else tuple(has_cotangent(a.aval.dtype) for a in outputs)
+                ),
                 cost=cost_model.jaxpr_cost(closed),
             )
         )
@@ -486,6 +536,7 @@ def _build_graph(
         batch_treedef=batch_treedef,
         param_avals=param_avals,
         batch_avals=batch_avals,
+        aux_treedef=program.aux_treedef,
     )
 
 
@@ -779,7 +830,8 @@ def _split_scans(
             )
     outvars = [renamed(v) for v in jaxpr.outvars]
     new_jaxpr = jaxpr.replace(constvars=constvars, eqns=new_eqns, outvars=outvars)
-    return _Program(new_jaxpr, tuple(consts), program.num_params), new_explicit
+    program = _Program(new_jaxpr, tuple(consts), program.num_params, program.aux_treedef)
+    return program, new_explicit
 
 
 def _chunked_scan_jaxpr(eqn: Any, ranges: list[tuple[int, int]]) -> ClosedJaxpr:

@@ -152,6 +152,7 @@ class Pipeline:
         placement: Sequence[int] | None = None,
         keep_buffers: bool | None = None,
         pack_ticks: bool | None = None,
+        has_aux: bool = False,
     ):
         if axis_name not in mesh.axis_names:
             raise PipelineError(
@@ -185,6 +186,7 @@ class Pipeline:
                 "leave placement=None (a prebuilt Schedule carries its own placement)"
             )
         self.loss_fn = loss_fn
+        self.has_aux = bool(has_aux)
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_devices = int(mesh.shape[axis_name])
@@ -226,6 +228,10 @@ class Pipeline:
         buffers: Buffers | None = None,
     ):
         """Returns (mean loss over microbatches, grads in the layout ``params`` came in).
+
+        With ``has_aux=True`` (``zbjax.pipeline``), ``loss_fn`` returns ``(loss, aux)`` and this
+        returns ``((loss, aux), grads)`` as ``jax.value_and_grad(..., has_aux=True)`` does,
+        each aux leaf averaged over the microbatches (and data-parallel shards) like the loss.
 
         With ``key``, ``loss_fn`` is called as ``loss_fn(params, microbatch, key_i)`` with
         ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i``.
@@ -665,13 +671,11 @@ class Pipeline:
         kind = self.partitioner
         if kind == "auto" and self.num_stages is not None:
             # A fixed count: markers must make exactly that many stages, else a chain cut.
-            graph = partition(
-                self.loss_fn, params_avals, micro, num_stages=self.num_stages, key=key_aval
-            )
+            graph = self._cut(params_avals, micro, num_stages=self.num_stages, key=key_aval)
             return kind, _Partitioned(graph)
         if kind in ("auto", "markers", "chain"):
             # One trace tells whether there are markers (num_stages=None never cuts by cost).
-            marked = partition(self.loss_fn, params_avals, micro, key=key_aval)
+            marked = self._cut(params_avals, micro, key=key_aval)
             has_markers = marked.num_stages > 1
             if kind == "markers" and not has_markers:
                 raise PipelineError(
@@ -697,9 +701,7 @@ class Pipeline:
         if kind == "markers":
             if self.num_stages is not None and self.num_stages != marked.num_stages:
                 # partition() raises the error that names both counts.
-                partition(
-                    self.loss_fn, params_avals, micro, num_stages=self.num_stages, key=key_aval
-                )
+                self._cut(params_avals, micro, num_stages=self.num_stages, key=key_aval)
             return kind, _Partitioned(marked)
         if kind == "graph":
             return kind, self._graph_partition(params_avals, micro, key_aval)
@@ -710,8 +712,11 @@ class Pipeline:
             )
         if num_stages == 1:
             return kind, _Partitioned(marked)
-        graph = partition(self.loss_fn, params_avals, micro, num_stages=num_stages, key=key_aval)
+        graph = self._cut(params_avals, micro, num_stages=num_stages, key=key_aval)
         return kind, _Partitioned(graph)
+
+    def _cut(self, params_avals: Any, micro: Any, **kwargs: Any) -> StageGraph:
+        return partition(self.loss_fn, params_avals, micro, has_aux=self.has_aux, **kwargs)
 
     def _graph_partition(self, params_avals: Any, micro: Any, key_aval: Any) -> _Partitioned:
         """Returns GraphPipe's stage DAG of the traced program over the pp devices."""
@@ -725,7 +730,7 @@ class Pipeline:
             chosen.append(parted)
             return op_graph.equation_stages(parted)
 
-        graph = partition(self.loss_fn, params_avals, micro, key=key_aval, assign=assign)
+        graph = self._cut(params_avals, micro, key=key_aval, assign=assign)
         parted = chosen[-1]
         graph = dataclasses.replace(
             graph,
@@ -946,8 +951,14 @@ def pipeline(
     placement: Sequence[int] | None = None,
     keep_buffers: bool | None = None,
     pack_ticks: bool | None = None,
+    has_aux: bool = False,
 ) -> Pipeline:
     """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
+
+    ``has_aux``: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floating arrays (metrics,
+    say); ``value_and_grad`` then returns ``((loss, aux), grads)``, each aux leaf the mean of
+    its per-microbatch values, as the loss is. Aux is computed where ``loss_fn`` computes it
+    and carried to the last stage.
 
     ``schedule`` is a name (``zbjax.schedules.SCHEDULE_NAMES`` or, for graph pipelines,
     ``DAG_SCHEDULE_NAMES``: ``"dag-1f1b"``, ``"dag-zb"``) or a prebuilt ``Schedule``;
@@ -1011,4 +1022,5 @@ def pipeline(
         placement=placement,
         keep_buffers=keep_buffers,
         pack_ticks=pack_ticks,
+        has_aux=has_aux,
     )

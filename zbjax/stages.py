@@ -100,6 +100,9 @@ class StageGraph:
     ``param_avals`` and ``batch_avals`` describe the flattened params and ONE microbatch of the
     batch; ``params_treedef``/``batch_treedef`` rebuild the user's pytrees. ``tied_params`` lists
     param leaves read by more than one stage (their gradient is the sum of those stages').
+    ``aux_treedef`` (a ``loss_fn`` with ``has_aux``) rebuilds the aux pytree from the loss
+    stage's outputs after the loss: that stage returns ``[loss, *aux_leaves]``, differentiating
+    the loss alone; None when ``loss_fn`` returns the loss alone.
     """
 
     stages: tuple[Stage, ...]
@@ -109,10 +112,18 @@ class StageGraph:
     batch_treedef: Any
     param_avals: tuple[jax.ShapeDtypeStruct, ...]
     batch_avals: tuple[jax.ShapeDtypeStruct, ...]
+    aux_treedef: Any = None
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def loss_and_aux(self, totals: Sequence[Any]) -> Any:
+        """Returns the loss, or (loss, aux) with ``aux_treedef``, from the loss stage's outputs
+        ``[loss, *aux_leaves]`` (or their means over microbatches)."""
+        if self.aux_treedef is None:
+            return totals[0]
+        return totals[0], jax.tree_util.tree_unflatten(self.aux_treedef, list(totals[1:]))
 
     @property
     def edge_pairs(self) -> tuple[tuple[int, int], ...]:

@@ -1,0 +1,148 @@
+"""``pipeline(..., has_aux=True)``: ``loss_fn`` returns ``(loss, aux)`` as for
+``jax.value_and_grad(..., has_aux=True)``; aux leaves are averaged over microbatches like the loss.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zbjax
+from models import gpt
+from zbjax.errors import PartitionError
+from zbjax.executor import run_schedule
+from zbjax.microbatch import reference_value_and_grad
+
+AUTO = jax.sharding.AxisType.Auto
+CFG = gpt.GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=4)
+
+
+def pp_mesh(p, dp=1):
+    shape, names = ((p,), ("pp",)) if dp == 1 else ((p, dp), ("pp", "dp"))
+    return jax.make_mesh(
+        shape, names, axis_types=(AUTO,) * len(shape), devices=jax.devices()[: p * dp]
+    )
+
+
+def gpt_with_metrics(cfg):
+    """A GPT loss returning metrics beside the loss, as a training loop logs them: one computed
+    from the logits (last stage), one from the embedding's output (first stage)."""
+    model = gpt.GPT(cfg, deterministic=True)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["tokens"]).astype(jnp.float32)
+        loss = gpt.cross_entropy(logits, batch["targets"])
+        correct = jnp.argmax(logits, axis=-1) == batch["targets"]
+        embed = params["embed"]["token"]["embedding"][batch["tokens"]]
+        aux = {
+            "accuracy": jnp.mean(correct.astype(jnp.float32)),
+            "embed_rms": jnp.sqrt(jnp.mean(embed**2)),
+            "per_position_loss": jnp.mean(
+                -jnp.take_along_axis(
+                    jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1
+                )[..., 0],
+                axis=0,
+            ),
+            "constant": 1.5,
+        }
+        return loss, aux
+
+    return loss_fn
+
+
+def case(num_stages):
+    cfg = dataclasses.replace(CFG, stage_boundaries=gpt.balanced_boundaries(CFG, num_stages))
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    return gpt_with_metrics(cfg), params, batch
+
+
+def assert_matches(result, reference):
+    ((loss, aux), grads), ((ref_loss, ref_aux), ref_grads) = result, reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert jax.tree.structure(aux) == jax.tree.structure(ref_aux)
+    for a, r in zip(jax.tree.leaves(aux), jax.tree.leaves(ref_aux), strict=True):
+        assert jnp.shape(a) == jnp.shape(r)
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v", "dag-zb"])
+def test_aux_is_the_mean_over_microbatches_and_grads_match(name):
+    loss_fn, params, batch = case(4 if name == "zb-v" else 2)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=name, num_microbatches=4, has_aux=True)
+    reference = reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True)
+    assert_matches(pipe.value_and_grad(params, batch), reference)
+    (_, aux), _ = reference
+    assert 0.0 <= float(aux["accuracy"]) <= 1.0 and aux["per_position_loss"].shape == (CFG.seq_len,)
+
+
+def test_aux_with_auto_cut_data_parallel_staged_params_and_buffers_in_jit():
+    cfg = CFG  # no markers: cut by the cost model
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    loss_fn = gpt_with_metrics(cfg)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(2, dp=2), schedule="zb-h1", num_microbatches=2, has_aux=True
+    )
+    staged = pipe.stage(params, batch)
+    buffers = pipe.init_buffers(staged, batch)
+    step = jax.jit(lambda s, b, buf: pipe.value_and_grad(s, b, buffers=buf), donate_argnums=2)
+    (loss, aux), grads, buffers = step(staged, batch, buffers)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, has_aux=True)
+    assert_matches(((loss, aux), pipe.unstage(grads)), reference)
+    (loss2, _), _, _ = step(staged, batch, buffers)  # the returned buffers serve the next step
+    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+
+
+def test_sequential_executor_returns_the_same_aux():
+    loss_fn, params, batch = case(2)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=4, has_aux=True
+    )
+    pipe.value_and_grad(params, batch)
+    result = run_schedule(pipe.graph, pipe.programs, pipe.schedule, params, batch)
+    assert_matches(result, reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True))
+
+
+def test_aux_errors_name_the_problem_and_the_fix():
+    loss_fn, params, batch = case(2)
+    mesh = pp_mesh(2)
+    with pytest.raises(PartitionError, match=r"has_aux=True"):
+        zbjax.pipeline(loss_fn, mesh=mesh, num_microbatches=2).value_and_grad(params, batch)
+    scalar = lambda p, b: loss_fn(p, b)[0]  # noqa: E731
+    with pytest.raises(PartitionError, match=r"must return a pair \(loss, aux\)"):
+        zbjax.pipeline(scalar, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+            params, batch
+        )
+    counts = lambda p, b: (loss_fn(p, b)[0], {"n": jnp.sum(b["tokens"] > 0)})  # noqa: E731
+    with pytest.raises(PartitionError, match=r"aux leaf \['n'\] is int32\[\].*floating"):
+        zbjax.pipeline(counts, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+            params, batch
+        )
+
+
+def test_aux_computed_in_the_first_stage_is_carried_to_the_last():
+    weights = [jax.random.normal(jax.random.key(i), (8, 8)) * 0.5 for i in range(4)]
+    batch = {"x": jax.random.normal(jax.random.key(9), (16, 8)), "y": jnp.ones((16, 8))}
+
+    def loss_fn(w, b):
+        h = jnp.tanh(b["x"] @ w[0])
+        first = {
+            "saturated": jnp.mean((jnp.abs(h) > 0.9).astype(jnp.float32)),
+            "rms": jnp.sqrt(jnp.mean(h**2)),
+        }
+        for k in range(1, 4):
+            h = jnp.tanh(zbjax.stage_boundary(h) @ w[k])
+        return jnp.mean((h - b["y"]) ** 2), {"stage0": first, "out_mean": jnp.mean(h, axis=0)}
+
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(4), schedule="zb-h2", num_microbatches=4, has_aux=True
+    )
+    result = pipe.value_and_grad(weights, batch)
+    assert_matches(result, reference_value_and_grad(loss_fn, weights, batch, 4, has_aux=True))
+    # The metrics read stage 0's activation before its marker: it travels to the loss stage.
+    assert (0, pipe.graph.loss_stage) in pipe.graph.edge_pairs
