@@ -21,7 +21,9 @@ Stage assignment:
 - **Free equations** (those that are not activations: position embeddings, masks, one-hot
   targets, dropout bits drawn from a key) go to the earliest stage that reads them, so they are
   never computed twice; the stages after it receive them on an edge. Free inputs of a marker
-  are read at the stage of the marker's other inputs (stage 0 when it has none).
+  are read at the stage of the marker's other inputs (stage 0 when it has none). With
+  ``has_aux``, an equation that feeds only aux outputs and reads no param runs at the stage of
+  its latest input instead, so a metric of an early activation travels, not the activation.
 - **Assigned** (``assign=`` given). ``assign(program, num_params)`` receives the flat inlined
   program (a ``ClosedJaxpr`` whose first ``num_params`` inputs are the param leaves, then the
   batch leaves) and returns one stage per equation, e.g. GraphPipe's
@@ -397,7 +399,32 @@ def _assign_stages(program: _Program, explicit: dict[int, int], count: int) -> l
         for v in eqn.invars:
             if isinstance(v, Var) and v not in var_stage:
                 read_at[v] = min(read_at.get(v, last), reader)
+    if program.aux_treedef is not None:
+        _compute_aux_where_its_inputs_are(program, eqn_stage)
     return [int(s) for s in eqn_stage]  # type: ignore[arg-type]
+
+
+def _compute_aux_where_its_inputs_are(program: _Program, eqn_stage: list) -> None:
+    """Moves each equation that only feeds aux outputs (not the loss) and reads no param to
+    the stage of its latest input, in place: a metric of an early activation (a norm, a mean)
+    is then computed where that activation is and sent on as the metric, not computed in the
+    last stage with the activation sent there. Moving an equation earlier, but not before its
+    inputs, keeps every value flowing forward."""
+    jaxpr = program.jaxpr
+    eqns = jaxpr.eqns
+    params = set(jaxpr.invars[: program.num_params])
+    needed = {v for v in jaxpr.outvars[:1] if isinstance(v, Var)}
+    feeds_loss = [False] * len(eqns)
+    for i in reversed(range(len(eqns))):
+        if any(v in needed for v in eqns[i].outvars):
+            feeds_loss[i] = True
+            needed.update(v for v in eqns[i].invars if isinstance(v, Var))
+    produced: dict[Var, int] = {}
+    for i, eqn in enumerate(eqns):
+        inputs = [v for v in eqn.invars if isinstance(v, Var)]
+        if not feeds_loss[i] and not is_stage_boundary(eqn) and not params.intersection(inputs):
+            eqn_stage[i] = min(eqn_stage[i], max((produced.get(v, 0) for v in inputs), default=0))
+        produced.update((v, eqn_stage[i]) for v in eqn.outvars)
 
 
 def _check_assigned(
