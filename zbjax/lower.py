@@ -275,10 +275,9 @@ class Lowering:
     ``jax.jit``: batch leaves have a leading ``num_microbatches`` axis; it returns
     ``(loss, staged_grads)`` with the loss averaged over microbatches (``((loss, aux),
     staged_grads)`` when the graph has ``aux_treedef``, each aux leaf averaged the same way).
-    Mesh axes other than
-    ``axis_name`` are data parallel: every batch leaf's rows (axis 1) are split over them, so
-    the stage programs must have been traced for ``rows / data_parallel_size`` rows, and the
-    loss and grads are averaged over them.
+    Mesh axes other than ``axis_name`` are data parallel: every batch leaf's rows (axis 1) are
+    split over them, so the stage programs must have been traced for ``rows /
+    data_parallel_size`` rows, and the loss and grads are averaged over them.
     """
 
     graph: StageGraph

@@ -221,7 +221,7 @@ def _trace(
     has_aux: bool = False,
 ) -> _Program:
     num_params = len(param_avals)
-    aux_treedef = []
+    aux: list = []  # with has_aux: (treedef, key paths) of the aux pytree, set while tracing
 
     def flat_loss(*leaves: Any) -> Any:
         params = jax.tree_util.tree_unflatten(params_treedef, leaves[:num_params])
@@ -238,9 +238,9 @@ def _trace(
                 f"with has_aux=True, loss_fn must return a pair (loss, aux); got "
                 f"{type(out).__name__}; return (loss, aux), or pass has_aux=False"
             )
-        aux_leaves, treedef = jax.tree_util.tree_flatten(out[1])
-        aux_treedef.append(treedef)
-        return [out[0], *aux_leaves]
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(out[1])
+        aux.append((treedef, [jax.tree_util.keystr(path) for path, _ in with_paths]))
+        return [out[0], *(leaf for _, leaf in with_paths)]
 
     closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
     out_avals = closed.out_avals
@@ -253,22 +253,17 @@ def _trace(
             "with metrics in aux and pass has_aux=True"
         )
     if has_aux:
-        _check_aux(aux_treedef[0], out_avals[1:])
+        _check_aux(aux[0][1], out_avals[1:])
     flat = _inline_calls(closed)
     return _Program(
-        _dce(flat.jaxpr), tuple(flat.consts), num_params, aux_treedef[0] if has_aux else None
+        _dce(flat.jaxpr), tuple(flat.consts), num_params, aux[0][0] if has_aux else None
     )
 
 
-def _check_aux(treedef: Any, avals: Sequence[Any]) -> None:
-    """Raises a ``PartitionError`` naming the first aux leaf that is not floating: the pipeline
-    returns the mean of each aux leaf over the microbatches, as it does the loss."""
-    paths = [
-        jax.tree_util.keystr(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(treedef, list(range(len(avals))))
-        )[0]
-    ]
+def _check_aux(paths: Sequence[str], avals: Sequence[Any]) -> None:
+    """Raises a ``PartitionError`` naming the first aux leaf (by its key path) that is not
+    floating: the pipeline returns the mean of each aux leaf over the microbatches, as it does
+    the loss."""
     for path, aval in zip(paths, avals, strict=True):
         if not jnp.issubdtype(aval.dtype, jnp.floating):
             raise PartitionError(
