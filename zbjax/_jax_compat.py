@@ -8,12 +8,14 @@ in your own section.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import (
     ClosedJaxpr,
     DebugInfo,
@@ -204,12 +206,14 @@ def _interpret(
     consts: Sequence[Any],
     args: Sequence[Any],
     eval_equation: Callable[[Any, list[Any]], Sequence[Any]],
+    literal: Callable[[Any], Any] = lambda value: value,
 ) -> list[Any]:
-    """Returns ``jaxpr``'s outputs, each equation evaluated by ``eval_equation(eqn, invals)``."""
+    """Returns ``jaxpr``'s outputs, each equation evaluated by ``eval_equation(eqn, invals)``
+    (each literal's value passed through ``literal``)."""
     env: dict[Var, Any] = {}
 
     def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
+        return literal(atom.val) if isinstance(atom, Literal) else env[atom]
 
     for var, val in zip(jaxpr.constvars, consts, strict=True):
         env[var] = val
@@ -260,6 +264,23 @@ def _jaxprs_in(params: dict) -> list[Jaxpr]:
             elif isinstance(v, Jaxpr):
                 found.append(v)
     return found
+
+
+def eval_jaxpr_here(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    """Returns the outputs of ``closed`` applied to ``args``, its equations bound in the caller's
+    context (``jaxpr_as_fun`` binds each inside the context recorded when it was traced).
+
+    The lowering runs stage programs inside its ``shard_map``. Bound in its recorded context (no
+    mesh), a literal in the program takes the mesh of a ``with jax.set_mesh(...)`` around the
+    caller instead of the ``shard_map``'s manual one, and the two do not mix ("Mesh for all
+    inputs should be equal").
+    """
+
+    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+        outs = _bind_like(eqn, invals)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    return _interpret(closed.jaxpr, closed.consts, args, eval_equation)
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
@@ -516,6 +537,181 @@ def unroll_short_scans(closed: ClosedJaxpr, max_length: int) -> ClosedJaxpr:
         return closed
     jaxpr = closed.jaxpr
     return make_closed_jaxpr(jaxpr.invars, jaxpr.outvars, eqns, jaxpr.constvars, closed.consts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Section: sharding annotations (owner: partition engineer)
+# ----------------------------------------------------------------------------------------------
+
+# Primitives that only say where their operands are placed (``with_sharding_constraint``,
+# ``jax.sharding.reshard``, layouts, ``jax.device_put`` inside a traced function): each result
+# is its operand.
+_PLACEMENT_PRIMITIVES = frozenset(
+    {"sharding_constraint", "reshard", "layout_constraint", "device_put"}
+)
+# Params by which an equation places its result (``out_sharding=`` of ``jnp.einsum`` and friends,
+# the shardings of values typed by an explicit-axes mesh); ``None`` leaves placement to XLA.
+_SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
+def strip_sharding_annotations(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """Returns ``closed`` without sharding annotations, and (sharding, shape of the value) of
+    each annotation dropped.
+
+    The annotations name mesh axes of the mesh the function was written for; inside a pipeline's
+    ``shard_map``, which is manual over those axes, binding them fails ("Mesh for all inputs
+    should be equal"). They never change a value, so dropping them changes no result: each
+    placement equation becomes its operand, each ``sharding``/``out_sharding`` param ``None``,
+    in bodies of control flow too. A function traced inside ``with jax.set_mesh(...)`` records
+    the mesh as well, and fails the same way: in its values' types, its equations' contexts,
+    its literals' types, and the rules of its custom_jvp/custom_vjp functions (traced when
+    differentiated, on the first trace's operand types). Such a program is re-traced outside
+    any mesh, its literals retyped and its rules stripped when they are traced. A ``jit``
+    holding any of these is inlined; a rematerialised region keeps its policy. Any other
+    program is returned as it is.
+    """
+    found: list[Any] = []
+    if not _annotated(closed.jaxpr):
+        return closed, found
+    return _strip_closed(closed, found), found
+
+
+def sharded_axes(sharding: Any) -> list[tuple[int, str]]:
+    """Returns the (dimension, mesh axis) pairs a sharding (or PartitionSpec) splits."""
+    spec = getattr(sharding, "spec", sharding)
+    if not isinstance(spec, jax.sharding.PartitionSpec):
+        return []
+    pairs = []
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        pairs.extend((dim, name) for name in names if isinstance(name, str))
+    return pairs
+
+
+def _annotated(jaxpr: Jaxpr) -> bool:
+    if any(_has_mesh(v) for v in jaxpr.invars):
+        return True
+    for eqn in jaxpr.eqns:
+        if any(_has_mesh(v) for v in eqn.outvars):
+            return True
+        if _traced_under_mesh(eqn) or eqn.primitive.name in _PLACEMENT_PRIMITIVES:
+            return True
+        if any(eqn.params.get(k) is not None for k in _SHARDING_PARAMS):
+            return True
+        if any(_annotated(sub) for sub in _jaxprs_in(eqn.params)):
+            return True
+    return False
+
+
+def _has_mesh(var: Any) -> bool:
+    """Whether a variable's type names a mesh (a value traced under one, or constrained)."""
+    mesh = getattr(getattr(getattr(var, "aval", None), "sharding", None), "mesh", None)
+    return mesh is not None and not mesh.empty
+
+
+def _traced_under_mesh(eqn: Any) -> bool:
+    """Whether ``eqn`` was traced under a mesh context (``jax.set_mesh``): evaluating it enters
+    that mesh again, which inside a ``shard_map`` clashes with the manual one."""
+    mesh = getattr(getattr(eqn, "ctx", None), "cur_abstract_mesh", None)
+    return mesh is not None and not mesh.empty
+
+
+def _strip_closed(closed: ClosedJaxpr, found: list[Any]) -> ClosedJaxpr:
+    def run(*args: Any) -> list[Any]:
+        return _strip_eval(closed.jaxpr, closed.consts, args, found)
+
+    with no_mesh_context():  # so that no equation records the caller's mesh
+        return jax.make_jaxpr(run)(*_shape_structs(closed.in_avals))
+
+
+def no_mesh_context() -> Any:
+    """A context in which no mesh is set (as outside ``with jax.set_mesh(...)``).
+
+    zbjax builds its stage programs in it: an equation traced under a mesh context records it
+    and enters it again when evaluated, and inside the pipeline's ``shard_map`` that mesh
+    clashes with the manual one ("context mesh ... should match the aval mesh").
+    """
+    from jax._src import mesh as mesh_lib
+    from jax._src.sharding_impls import _internal_use_concrete_mesh
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.sharding.use_abstract_mesh(mesh_lib.empty_abstract_mesh))
+    # ``jax.set_mesh`` also sets a concrete mesh, which JAX reads where no abstract one is set.
+    stack.enter_context(_internal_use_concrete_mesh(mesh_lib.empty_concrete_mesh))
+    return stack
+
+
+def _strip_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], found: list) -> list:
+    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
+        name = eqn.primitive.name
+        params = eqn.params
+        if name in _PLACEMENT_PRIMITIVES:
+            for k in ("sharding", "dst_sharding", "devices"):
+                value = params.get(k)
+                if value is None:
+                    continue
+                targets = value if isinstance(value, tuple | list) else [value] * len(invals)
+                found.extend(zip(targets, (np.shape(x) for x in invals), strict=False))
+            return invals
+        if name in CALL_PRIMITIVES and any(_annotated(s) for s in _jaxprs_in(params)):
+            return _strip_eval(params["jaxpr"].jaxpr, params["jaxpr"].consts, invals, found)
+        new = dict(params)
+        for k in _SHARDING_PARAMS:
+            if new.get(k) is not None:
+                found.append((new[k], tuple(eqn.outvars[0].aval.shape)))
+                new[k] = None
+        for k, v in new.items():
+            if isinstance(v, Jaxpr) and _annotated(v):  # a remat region's open body
+                body = _strip_closed(ClosedJaxpr(v, ()), found)
+                if body.consts:  # cannot stay an open body: run it inline, remat dropped
+                    return _strip_eval(body.jaxpr, body.consts, invals, found)
+                new[k] = body.jaxpr
+            else:
+                new[k] = _map_closed_jaxprs(
+                    v, lambda c: _strip_closed(c, found) if _annotated(c.jaxpr) else c
+                )
+        for k in _RULE_THUNKS:
+            if k in new:
+                new[k] = _stripped_rule(new[k], found)
+        if any(new[k] is not v for k, v in params.items()):
+            eqn = replace_equation(eqn, eqn.invars, eqn.outvars, new)
+        outs = _bind_like(eqn, invals)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    return _interpret(jaxpr, consts, args, eval_equation, _unplaced_literal)
+
+
+def _unplaced_literal(value: Any) -> Any:
+    """Returns a literal's value without the mesh its type recorded when traced under one."""
+    from jax._src.core import ShapedArray
+    from jax._src.literals import TypedNdArray
+
+    aval = getattr(value, "aval", None)
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if not isinstance(value, TypedNdArray) or mesh is None or mesh.empty:
+        return value
+    return TypedNdArray(np.asarray(value), ShapedArray(aval.shape, aval.dtype, aval.weak_type))
+
+
+# Params of custom_jvp / custom_vjp equations that trace the user's rule when differentiated,
+# on the operand types of the original trace (which name the caller's mesh).
+_RULE_THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
+
+
+def _stripped_rule(thunk: Any, found: list[Any]) -> Any:
+    """Returns ``thunk`` (-> (jaxpr, consts, *rest)) with its jaxpr stripped as above."""
+    from jax._src import linear_util as lu
+
+    done: dict[tuple, tuple] = {}
+
+    def call(*zeros: Any) -> tuple:
+        if zeros not in done:
+            jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+            closed = _strip_closed(ClosedJaxpr(jaxpr, list(consts)), found)
+            done[zeros] = (closed.jaxpr, closed.consts, *rest)
+        return done[zeros]
+
+    return lu.wrap_init(call, debug_info=thunk.debug_info)
 
 
 # ----------------------------------------------------------------------------------------------

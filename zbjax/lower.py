@@ -41,10 +41,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax._jax_compat import add_rows, set_rows, shard_map, uninitialized
+from zbjax._jax_compat import add_rows, eval_jaxpr_here, set_rows, shard_map, uninitialized
 from zbjax.errors import ScheduleError
 from zbjax.params import (
     StagedLayout,
@@ -824,7 +823,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 messages = incoming(ctx["messages"], ctx["message_read"])
                 inputs = [v for e in stage.in_edges for v in messages[e]]
                 batch = [batch_mb(j) for j in range(len(stage.batch_leaves))]
-                outs = jaxpr_as_fun(program.forward)(*params, *batch, *inputs)
+                outs = eval_jaxpr_here(program.forward, *params, *batch, *inputs)
                 outputs, residuals = outs[:n_outputs], outs[n_outputs:]
                 if stage_index == graph.loss_stage:
                     loss = [
@@ -850,7 +849,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 def backward():
                     residuals = resolve(slots.residuals)
                     messages = incoming(ctx["messages"], ctx["message_read"])
-                    return jaxpr_as_fun(jaxpr)(*residuals, *output_cotangents(messages))
+                    return eval_jaxpr_here(jaxpr, *residuals, *output_cotangents(messages))
 
                 if kind == BACKWARD_INPUT and slots.overlay:
                     outs = read_apart(backward, ctx["code"])  # see the docstring
@@ -871,7 +870,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
             else:  # BACKWARD_WEIGHT
                 apart = [i for i, (where, _) in enumerate(slots.stash) if where in B_WROTE]
                 stash = resolve(slots.stash, apart=apart if stash_apart else ())
-                param_cts = jaxpr_as_fun(program.backward_weight)(*stash)
+                param_cts = eval_jaxpr_here(program.backward_weight, *stash)
                 _add_gradients(layout, stage_index, grads, param_cts)
         return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss)
 

@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +50,12 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
 
 from zbjax import cost_model
-from zbjax._jax_compat import scan_counts
+from zbjax._jax_compat import (
+    no_mesh_context,
+    scan_counts,
+    sharded_axes,
+    strip_sharding_annotations,
+)
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
 from zbjax.stages import Edge, Stage, StageGraph, has_cotangent
@@ -106,6 +114,21 @@ def partition(
     program = _traced(
         loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux
     )
+    with no_mesh_context():  # see there: the stage programs must not record the caller's mesh
+        return _partition(
+            program, num_stages, assign, params_treedef, batch_treedef, param_avals, batch_avals
+        )
+
+
+def _partition(
+    program: _Program,
+    num_stages: int | None,
+    assign: Callable[[ClosedJaxpr, int], Sequence[int]] | None,
+    params_treedef: Any,
+    batch_treedef: Any,
+    param_avals: Sequence[jax.ShapeDtypeStruct],
+    batch_avals: Sequence[jax.ShapeDtypeStruct],
+) -> StageGraph:
     eqns = list(program.jaxpr.eqns)
     markers = [i for i, eqn in enumerate(eqns) if is_stage_boundary(eqn)]
     if assign is not None:
@@ -243,6 +266,8 @@ def _trace(
         return [out[0], *(leaf for _, leaf in with_paths)]
 
     closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
+    closed, annotations = strip_sharding_annotations(closed)
+    _warn_model_sharding(annotations, batch_avals)
     out_avals = closed.out_avals
     loss_avals = out_avals[:1] if has_aux else out_avals
     if len(loss_avals) != 1 or loss_avals[0].shape != () or not has_cotangent(loss_avals[0].dtype):
@@ -254,10 +279,53 @@ def _trace(
         )
     if has_aux:
         _check_aux(aux[0][1], out_avals[1:])
-    flat = _inline_calls(closed)
+    with no_mesh_context():
+        flat = _inline_calls(closed)
     return _Program(
         _dce(flat.jaxpr), tuple(flat.consts), num_params, aux[0][0] if has_aux else None
     )
+
+
+def _warn_model_sharding(
+    annotations: Sequence[tuple[Any, tuple[int, ...]]], batch_avals: Sequence[Any]
+) -> None:
+    """Warns when ``loss_fn`` shards values other than by their batch rows (tensor or fully
+    sharded data parallelism): the pipeline drops its sharding annotations, and the mesh axes
+    other than the pipeline axis split every microbatch's rows instead."""
+    rows = {a.shape[0] for a in batch_avals if len(a.shape)}
+    axes = sorted(
+        {
+            name
+            for sharding, shape in annotations
+            for dim, name in sharded_axes(sharding)
+            if dim > 0 or not shape or shape[0] not in rows
+        }
+    )
+    if axes:
+        warnings.warn(
+            f"loss_fn shards model dimensions over mesh axes {tuple(axes)} "
+            "(with_sharding_constraint, reshard or out_sharding); zbjax drops these "
+            "annotations, which changes no value: inside the pipeline every mesh axis but the "
+            "pipeline axis is data parallel, splitting each microbatch's rows, and each device "
+            "holds its stages' whole parameters (tensor parallelism inside a stage is not "
+            "supported yet). Remove the annotations, or build the mesh without those axes, to "
+            "silence this warning",
+            stacklevel=_caller_stacklevel(),
+        )
+
+
+def _caller_stacklevel() -> int:
+    """Returns the ``stacklevel`` of the innermost frame outside zbjax (and JAX's tracing)
+    that led here, so that a warning names the user's line."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    jax_dir = os.path.dirname(os.path.abspath(jax.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith((package, jax_dir)):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def _check_aux(paths: Sequence[str], avals: Sequence[Any]) -> None:

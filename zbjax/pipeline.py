@@ -57,6 +57,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax import graphpipe, schedules
+from zbjax._jax_compat import no_mesh_context
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
@@ -412,7 +413,8 @@ class Pipeline:
                 first = first[: first.shape[0] // shards]
             micro.append(jax.device_put(first, device))
         param_leaves = [jax.device_put(x, device) for x in jax.tree.leaves(params)]
-        costs = measure_stage_costs(built.graph, built.programs, param_leaves, micro, repeats)
+        with no_mesh_context():  # the programs run on one device, not on a mesh the caller set
+            costs = measure_stage_costs(built.graph, built.programs, param_leaves, micro, repeats)
         if comm is None:
             comm = all(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
         if not comm:

@@ -50,6 +50,7 @@ from zbjax._jax_compat import (
     make_closed_jaxpr,
     merge_contracting_dims,
     new_var,
+    no_mesh_context,
     replace_equation,
     scan_counts,
     scan_params,
@@ -92,24 +93,25 @@ def split_stage(
     microbatch, instead of computing them again in the backward
     (``_recompute_parameter_residuals``): to measure what each saves.
     """
-    roles = _differentiation_roles(stage)
-    forward, backward = _forward_and_backward(stage, roles)
-    if recompute_parameter_casts:
-        forward, backward = _recompute_parameter_residuals(
-            forward, backward, len(stage.jaxpr.out_avals), roles.num_params
+    with no_mesh_context():  # a mesh the caller set must not reach the programs
+        roles = _differentiation_roles(stage)
+        forward, backward = _forward_and_backward(stage, roles)
+        if recompute_parameter_casts:
+            forward, backward = _recompute_parameter_residuals(
+                forward, backward, len(stage.jaxpr.out_avals), roles.num_params
+            )
+        if merge_contracting:
+            # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
+            # merged into one they need no transposed copy of the cotangent (in BW, B and W).
+            forward, backward = merge_contracting_dims(forward), merge_contracting_dims(backward)
+        # Unrolled here, before the split: the B and W scans the split makes from BW's keep their
+        # scan's params, ``unroll`` included.
+        forward, backward = (
+            unroll_short_scans(forward, unroll_scans),
+            unroll_short_scans(backward, unroll_scans),
         )
-    if merge_contracting:
-        # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
-        # merged into one they need no transposed copy of the cotangent (in BW, B and W).
-        forward, backward = merge_contracting_dims(forward), merge_contracting_dims(backward)
-    # Unrolled here, before the split: the B and W scans the split makes from BW's keep their
-    # scan's params, ``unroll`` included.
-    forward, backward = (
-        unroll_short_scans(forward, unroll_scans),
-        unroll_short_scans(backward, unroll_scans),
-    )
-    backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
-    backward_weight = vmap_independent_scans(backward_weight)
+        backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
+        backward_weight = vmap_independent_scans(backward_weight)
     residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
     stash_avals = tuple(_sds(a) for a in backward_weight.in_avals)
     num_params = len(stage.param_leaves)

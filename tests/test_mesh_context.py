@@ -1,0 +1,146 @@
+"""Pipelines called the way sharded JAX code is written: inside ``with jax.set_mesh(mesh)``, on
+meshes with explicit axes, and around a ``loss_fn`` that annotates shardings
+(``with_sharding_constraint``, ``reshard``) for the mesh it was written for.
+
+Before ``_jax_compat.strip_sharding_annotations`` and ``no_mesh_context``, each of these failed
+inside JAX while the step was traced: the stage programs recorded the caller's mesh (in their
+values' types, their equations' contexts, their literals and the rules of custom_jvp
+functions) and met the pipeline's ``shard_map``, manual over the same axes ("Mesh for all
+inputs should be equal", "context mesh ... should match the aval mesh").
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zbjax
+from models import gpt, mlp
+from zbjax._jax_compat import no_mesh_context, strip_sharding_annotations
+from zbjax.microbatch import reference_value_and_grad
+
+AUTO, EXPLICIT = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+GPT_CFG = gpt.GPTConfig(
+    vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2, stage_boundaries=(0,)
+)
+
+
+def mesh_2x2(names, axis_type):
+    return jax.make_mesh((2, 2), names, axis_types=(axis_type,) * 2, devices=jax.devices()[:4])
+
+
+def assert_close(result, reference):
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_gpt_pipelined_inside_set_mesh_inside_jit_equals_value_and_grad(axis_type):
+    # The GPT's literals (a mean's divisor, logsumexp's zero) once took the caller's mesh.
+    loss_fn = gpt.make_loss_fn(GPT_CFG)
+    params = gpt.init_params(jax.random.key(0), GPT_CFG)
+    batch = gpt.make_batch(jax.random.key(1), GPT_CFG, 8)
+    mesh = mesh_2x2(("pp", "dp"), axis_type)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    with jax.set_mesh(mesh):
+        result = jax.jit(pipe.value_and_grad)(params, batch)
+    assert_close(result, reference_value_and_grad(loss_fn, params, batch, 2))
+
+
+def _annotated_loss(mesh, spec, *, bare=False):
+    """A 2-stage MLP whose activations are constrained to ``spec`` in a scan body, a jit, a
+    remat region and a cond branch, each layer ending in a custom_jvp function (relu)."""
+    sharding = spec if bare else NamedSharding(mesh, spec)
+
+    def constrain(h):
+        return jax.lax.with_sharding_constraint(h, sharding)
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for i, w in enumerate(params["w"]):
+            if i == 0:
+                h, _ = jax.lax.scan(lambda h, wi: (constrain(jnp.tanh(h @ wi)), None), h, w)
+            elif i == 1:
+                h = jax.jit(lambda h, w: constrain(jnp.tanh(h @ w[0])))(h, w)
+            else:
+                h = jax.checkpoint(lambda h, w: constrain(jnp.tanh(h @ w[0])))(h, w)
+                h = jax.lax.cond(w.sum() > 0, lambda h: constrain(2.0 * h), constrain, h)
+            h = jax.nn.relu(h)
+            if i == 0:
+                h = zbjax.stage_boundary(h)
+        return jnp.mean(h**2)
+
+    return loss_fn
+
+
+def _annotated_case():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 2, 8, 8)).astype(np.float32) * 0.5)}
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 8)).astype(np.float32))}
+    return params, batch
+
+
+@pytest.mark.parametrize("bare", [False, True], ids=["named_sharding", "spec_under_set_mesh"])
+def test_sharding_constraints_over_a_model_axis_are_dropped_with_a_warning(bare):
+    mesh = jax.make_mesh((2, 2), ("pp", "tp"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])
+    loss_fn = _annotated_loss(mesh, P(None, "tp"), bare=bare)
+    params, batch = _annotated_case()
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    with jax.set_mesh(mesh):
+        with pytest.warns(UserWarning, match=r"mesh axes \('tp',\).*not supported yet"):
+            result = pipe.value_and_grad(params, batch)
+        reference = reference_value_and_grad(loss_fn, params, batch, 2)
+    assert_close(result, reference)
+
+
+def test_a_constraint_on_batch_rows_only_is_dropped_silently():
+    # Rows over a data axis is what the pipeline does with that axis anyway: nothing to say.
+    mesh = mesh_2x2(("pp", "dp"), AUTO)
+    loss_fn = _annotated_loss(mesh, P("dp"))
+    params, batch = _annotated_case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph = zbjax.partition(loss_fn, params, {"x": batch["x"][:4]})
+    assert graph.num_stages == 2
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(getattr(sub, "jaxpr", sub))
+
+
+def test_strip_sharding_annotations_everywhere_keeps_custom_rules_and_values():
+    mesh = mesh_2x2(("pp", "tp"), AUTO)
+    loss_fn = _annotated_loss(mesh, P(None, "tp"))
+    params, batch = _annotated_case()
+    leaves = jax.tree.leaves((params, batch))
+    with jax.set_mesh(mesh):
+        closed = jax.make_jaxpr(loss_fn)(params, batch)
+        stripped, found = strip_sharding_annotations(closed)
+        constraints = [sharding.spec for sharding, _ in found]
+        run = jax.extend.core.jaxpr_as_fun(stripped)
+        with no_mesh_context():
+            grad = jax.make_jaxpr(jax.grad(lambda *xs: run(*xs)[0]))(*leaves)
+    names = [e.primitive.name for e in _eqns(closed.jaxpr)]
+    assert names.count("sharding_constraint") == 5
+    assert constraints == [P(None, "tp")] * 5
+    assert [e.primitive.name for e in _eqns(stripped.jaxpr)].count("custom_jvp_call") == 3
+    for eqn in [*_eqns(stripped.jaxpr), *_eqns(grad.jaxpr)]:
+        assert eqn.primitive.name != "sharding_constraint"
+        assert eqn.ctx.cur_abstract_mesh.empty, eqn
+        for k in ("sharding", "out_sharding"):
+            assert eqn.params.get(k) is None, eqn
+    np.testing.assert_allclose(run(*leaves)[0], loss_fn(params, batch), rtol=1e-6)
+    unannotated = jax.make_jaxpr(mlp.make_loss_fn(mlp.MLPConfig()))(
+        mlp.init_params(jax.random.key(0), mlp.MLPConfig()),
+        mlp.make_batch(jax.random.key(1), mlp.MLPConfig(), 4),
+    )
+    assert strip_sharding_annotations(unannotated) == (unannotated, [])
