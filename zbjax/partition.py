@@ -3,6 +3,10 @@
 ``partition(loss_fn, params, microbatch)`` traces ``loss_fn`` on one microbatch into a flat
 jaxpr (``jit``/``closed_call`` wrappers inlined, so markers inside jitted functions are seen),
 assigns every equation a stage, and builds one jaxpr per stage plus the edges between them.
+The trace runs in the caller's mesh context; everything after it runs outside any mesh, and
+the program is stripped of sharding annotations and of the mesh the trace recorded
+(``_jax_compat.strip_sharding_annotations``), with a warning when the annotations split model
+dimensions: inside the pipeline the other mesh axes are data parallel.
 
 Stage assignment:
 
@@ -114,7 +118,7 @@ def partition(
     program = _traced(
         loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux
     )
-    with no_mesh_context():  # see there: the stage programs must not record the caller's mesh
+    with no_mesh_context():  # the stage programs must not record the caller's mesh
         return _partition(
             program, num_stages, assign, params_treedef, batch_treedef, param_avals, batch_avals
         )
