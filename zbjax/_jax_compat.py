@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -168,8 +168,7 @@ def vmap_independent_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
             batched = _batched_body(params["jaxpr"], scan_counts(params)[0], eqn.invars)
             if batched is not None:
                 return jaxpr_as_fun(batched)(*invals)
-        outs = _bind_like(eqn, invals)
-        return outs if eqn.primitive.multiple_results else [outs]
+        return bind_equation(eqn, invals)
 
     def run(*args: Any) -> list[Any]:
         return _interpret(closed.jaxpr, closed.consts, args, eval_equation)
@@ -237,22 +236,23 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], rema
             return _eval_inlined(body, (), invals, remat)
         if name == "scan":
             params = dict(eqn.params, jaxpr=inline_calls(eqn.params["jaxpr"], inline_remat=remat))
-            outs = eqn.primitive.bind(*invals, **params)
-        else:
-            outs = _bind_like(eqn, invals)
-        return outs if eqn.primitive.multiple_results else [outs]
+            return list(eqn.primitive.bind(*invals, **params))
+        return bind_equation(eqn, invals)
 
     return _interpret(jaxpr, consts, args, eval_equation)
 
 
-def _bind_like(eqn: Any, invals: Sequence[Any]) -> Any:
+def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Returns the outputs of binding ``eqn``'s primitive to ``invals`` (as eval_jaxpr does,
+    without entering the context the equation recorded), as a list."""
     # jax 0.10 returns the bind params (call primitives put their body in ``subfuns``); older
     # releases returned (subfuns, params).
     bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
     if isinstance(bind_params, tuple):
         subfuns, bind_params = bind_params
-        return eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    return eqn.primitive.bind(*invals, **bind_params)
+    outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def _jaxprs_in(params: dict) -> list[Jaxpr]:
@@ -276,11 +276,7 @@ def eval_jaxpr_here(closed: ClosedJaxpr, *args: Any) -> list[Any]:
     inputs should be equal").
     """
 
-    def eval_equation(eqn: Any, invals: list[Any]) -> Sequence[Any]:
-        outs = _bind_like(eqn, invals)
-        return outs if eqn.primitive.multiple_results else [outs]
-
-    return _interpret(closed.jaxpr, closed.consts, args, eval_equation)
+    return _interpret(closed.jaxpr, closed.consts, args, bind_equation)
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
@@ -309,8 +305,7 @@ def _eval_retraced(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> 
         if eqn.primitive.name not in _COLLECTIVES:
             # What lax's wrappers do before binding: operands of one op vary alike.
             invals = _cast_varying(invals, _varying_axes(invals))
-        outs = _bind_like(eqn, invals)
-        return outs if eqn.primitive.multiple_results else [outs]
+        return bind_equation(eqn, invals)
 
     return _interpret(jaxpr, consts, args, eval_equation)
 
@@ -497,8 +492,7 @@ def _eval_merged(eqn: Any, invals: list[Any]) -> Sequence[Any]:
         rewritten = {k: _map_closed_jaxprs(v, merge_contracting_dims) for k, v in params.items()}
         if any(rewritten[k] is not v for k, v in params.items()):
             eqn = replace_equation(eqn, eqn.invars, eqn.outvars, rewritten)
-    outs = _bind_like(eqn, invals)
-    return outs if eqn.primitive.multiple_results else [outs]
+    return bind_equation(eqn, invals)
 
 
 def _map_closed_jaxprs(value: Any, fn: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:
@@ -624,7 +618,8 @@ def _strip_closed(closed: ClosedJaxpr, found: list[Any]) -> ClosedJaxpr:
         return jax.make_jaxpr(run)(*_shape_structs(closed.in_avals))
 
 
-def no_mesh_context() -> Any:
+@contextlib.contextmanager
+def no_mesh_context() -> Iterator[None]:
     """A context in which no mesh is set (as outside ``with jax.set_mesh(...)``).
 
     zbjax builds its stage programs in it: an equation traced under a mesh context records it
@@ -634,11 +629,12 @@ def no_mesh_context() -> Any:
     from jax._src import mesh as mesh_lib
     from jax._src.sharding_impls import _internal_use_concrete_mesh
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.sharding.use_abstract_mesh(mesh_lib.empty_abstract_mesh))
-    # ``jax.set_mesh`` also sets a concrete mesh, which JAX reads where no abstract one is set.
-    stack.enter_context(_internal_use_concrete_mesh(mesh_lib.empty_concrete_mesh))
-    return stack
+    # ``jax.set_mesh`` sets a concrete mesh too, which JAX reads where no abstract one is set.
+    with (
+        jax.sharding.use_abstract_mesh(mesh_lib.empty_abstract_mesh),
+        _internal_use_concrete_mesh(mesh_lib.empty_concrete_mesh),
+    ):
+        yield
 
 
 def _strip_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], found: list) -> list:
@@ -675,8 +671,7 @@ def _strip_eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], found:
                 new[k] = _stripped_rule(new[k], found)
         if any(new[k] is not v for k, v in params.items()):
             eqn = replace_equation(eqn, eqn.invars, eqn.outvars, new)
-        outs = _bind_like(eqn, invals)
-        return outs if eqn.primitive.multiple_results else [outs]
+        return bind_equation(eqn, invals)
 
     return _interpret(jaxpr, consts, args, eval_equation, _unplaced_literal)
 

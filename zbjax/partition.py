@@ -55,6 +55,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
 
 from zbjax import cost_model
 from zbjax._jax_compat import (
+    bind_equation,
     no_mesh_context,
     scan_counts,
     sharded_axes,
@@ -345,18 +346,6 @@ def _check_aux(paths: Sequence[str], avals: Sequence[Any]) -> None:
             )
 
 
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Returns the outputs of binding ``eqn``'s primitive to ``invals`` (as eval_jaxpr does)."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    # jax 0.10 returns the params (sub-functions inside); other releases return (subfuns, params).
-    if isinstance(bind_params, tuple):
-        subfuns, bind_params = bind_params
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    else:
-        out = eqn.primitive.bind(*invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _read(env: dict[Var, Any], atom: Any) -> Any:
     return atom.val if isinstance(atom, Literal) else env[atom]
 
@@ -411,7 +400,7 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> l
             outs = _eval_inlined(body[0], body[1], invals)
         else:
             with eqn.ctx.manager:
-                outs = _bind(eqn, invals)
+                outs = bind_equation(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [_read(env, a) for a in jaxpr.outvars]
 
@@ -690,7 +679,7 @@ def _stage_jaxpr(
                 outs = invals  # the marker is the identity; the cut is the stage edge
             else:
                 with eqn.ctx.manager:
-                    outs = _bind(eqn, invals)
+                    outs = bind_equation(eqn, invals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [_read(env, a) for a in outputs]
 
