@@ -15,6 +15,7 @@ from zbjax.markers import stage_boundary as stage_boundary
 from zbjax.microbatch import microbatch_keys as microbatch_keys
 from zbjax.microbatch import reference_value_and_grad as reference_value_and_grad
 from zbjax.microbatch import split_microbatches as split_microbatches
+from zbjax.optim import StagedState as StagedState
 from zbjax.params import StagedParams as StagedParams
 from zbjax.partition import partition as partition
 from zbjax.partition import stage_summary as stage_summary

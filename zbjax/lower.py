@@ -43,7 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax._jax_compat import add_rows, eval_jaxpr_here, set_rows, shard_map, uninitialized
+from zbjax._jax_compat import (
+    add_rows,
+    eval_jaxpr_here,
+    place_for_shard_map,
+    set_rows,
+    shard_map,
+    uninitialized,
+)
 from zbjax.errors import ScheduleError
 from zbjax.params import (
     StagedLayout,
@@ -1133,15 +1140,7 @@ def _run(
         check_vma=False,
     )
     args = (list(staged.rows), list(batch_leaves), xs, list(pools or ()))
-    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        # Under explicit sharding shard_map takes inputs only when they already carry its
-        # in_specs; reshard them (a no-op for inputs placed that way already).
-        args = jax.tree.map(
-            lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec)),
-            args,
-            in_specs,
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
-        )
+    args = place_for_shard_map(mesh, args, in_specs)
     totals, grad_rows, out_pools = run(*args)
     loss = low.graph.loss_and_aux(totals)
     grads = StagedParams(grad_rows, staged.dtypes)

@@ -61,6 +61,7 @@ from zbjax._jax_compat import no_mesh_context
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
+from zbjax.optim import per_leaf
 from zbjax.params import (
     StagedParams,
     global_norm,
@@ -478,6 +479,25 @@ class Pipeline:
             return jax.tree.map(clip, updates), state
 
         return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+    def per_leaf(self, tx: Any) -> Any:
+        """Returns an optax transformation of staged params that runs ``tx`` on each device's
+        parameter leaves in the user's tree structure (``zbjax.optim``).
+
+        Element-wise optimizers (``optax.adamw(lr)``, ``adam``, ``sgd``, ``lion``) give the
+        same result on the staged rows as they are. Use ``per_leaf`` for one that looks at the
+        tree: a mask (``optax.adamw(lr, mask=...)``), ``optax.multi_transform`` labels, or a
+        leaf's shape or norm (``adafactor``, ``lamb``). Each device sees the leaves its stages
+        hold (a leaf it holds some rows of, as those rows; one it does not hold, as a
+        zero-size placeholder) and nothing crosses devices, so keep a whole-tree
+        transformation outside: ``optax.chain(pipe.clip_by_global_norm(1.0),
+        pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``.
+        """
+
+        def layout():
+            return self._require_built("per_leaf").lowering.layout, self._params_treedef
+
+        return per_leaf(tx, layout=layout, mesh=self.mesh, axis=self.axis_name)
 
     @property
     def graph(self) -> StageGraph:

@@ -1,0 +1,182 @@
+"""pipe.per_leaf: optax transformations that look at the parameter tree, on staged params.
+
+Each case runs two optimizer steps on staged params and gradients and the same two on the user
+layout, and compares the staged params after them with the user-layout params staged (every
+copy of a tied leaf, padding included). Both get the same gradients (``jax.value_and_grad``'s,
+staged: each copy of a tied leaf holds the leaf's gradient, as the pipeline's do), because
+Adam-like optimizers turn float rounding in a near-zero gradient into a visible difference.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zbjax
+from models import gpt, gpt_scan
+from zbjax.microbatch import reference_value_and_grad
+from zbjax.optim import device_views, leaf_view, pack_views, unpack_views
+from zbjax.params import LeafSlot, stage_leaves, staged_layout
+
+CFG = gpt.GPTConfig(num_layers=4, d_model=16, seq_len=8, vocab_size=32)
+M = 2
+
+
+def decay_mask(params):
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def labels(params):
+    return jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "vector", params)
+
+
+TRANSFORMS = {
+    "adamw with a decay mask": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=decay_mask),
+    "multi_transform by label": lambda: optax.multi_transform(
+        {"matrix": optax.adam(1e-2), "vector": optax.sgd(0.5)}, labels
+    ),
+    "lamb (per-leaf trust ratio)": lambda: optax.lamb(1e-2),
+    "adafactor (factored moments)": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+# What reduces over a whole leaf sees a device's rows of a leaf split over devices by rows.
+ROWS_EXACT = ("adamw with a decay mask", "multi_transform by label")
+
+
+def _case(module, mesh_shape, schedule, num_stages):
+    cfg = CFG
+    if module is gpt:
+        cfg = dataclasses.replace(cfg, stage_boundaries=gpt.balanced_boundaries(cfg, num_stages))
+    loss_fn = module.make_loss_fn(cfg)
+    params = module.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    mesh = jax.make_mesh(mesh_shape, ("pp", "dp")[: len(mesh_shape)])
+    kw = {} if module is gpt else {"num_stages": num_stages}
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule=schedule, num_microbatches=M, **kw)
+    staged = pipe.stage(params, batch)
+    _, ref_grads = reference_value_and_grad(loss_fn, params, batch, M)
+    return pipe, params, staged, pipe.stage(ref_grads), ref_grads
+
+
+@pytest.fixture(scope="module")
+def tied_case():
+    # The tied embedding is read by the first stage and the LM head on the last device.
+    return _case(gpt, (2, 2), "zb-h1", 2)
+
+
+@pytest.fixture(scope="module")
+def scan_case():
+    # zb-v puts stages 0 and 3 on device 0: it holds two row ranges of each stacked leaf.
+    return _case(gpt_scan, (2,), "zb-v", 4)
+
+
+def two_steps(tx, params, grads):
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _check(case, name):
+    pipe, params, staged, grads, ref_grads = case
+    make = TRANSFORMS[name]
+    tx = optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(make()))
+    got = jax.jit(lambda p, g: two_steps(tx, p, g))(staged, grads)
+    want = two_steps(optax.chain(optax.clip_by_global_norm(1.0), make()), params, ref_grads)
+    assert isinstance(got, zbjax.StagedParams)
+    for row, want_row in zip(got.rows, pipe.stage(want).rows, strict=True):
+        np.testing.assert_allclose(row, want_row, rtol=1e-5, atol=1e-6)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got.rows, staged.rows, strict=True))
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_per_leaf_equals_the_optimizer_on_the_user_tree_with_a_tied_leaf_and_data_parallel(
+    tied_case, name
+):
+    _check(tied_case, name)
+
+
+@pytest.mark.parametrize("name", ROWS_EXACT)
+def test_per_leaf_equals_the_optimizer_on_the_user_tree_with_scan_rows_split_over_devices(
+    scan_case, name
+):
+    _check(scan_case, name)
+
+
+def test_a_mask_on_the_staged_rows_without_per_leaf_decays_every_leaf(tied_case):
+    # Why per_leaf exists: the mask sees the rows (two-dimensional), not the model's leaves.
+    pipe, params, staged, grads, ref_grads = tied_case
+    tx = optax.adamw(1e-2, weight_decay=0.5, mask=decay_mask)
+    got = pipe.unstage(two_steps(tx, staged, grads))
+    want = two_steps(tx, params, ref_grads)
+    np.testing.assert_allclose(  # a matrix: decayed either way
+        got["embed"]["position"], want["embed"]["position"], rtol=1e-4, atol=1e-5
+    )
+    # A LayerNorm scale (ones at init, one-dimensional): decayed only on the rows.
+    scale = got["block_0"]["ln_1"]["scale"] - want["block_0"]["ln_1"]["scale"]
+    assert float(jnp.max(jnp.abs(scale))) > 1e-3
+
+
+def test_per_leaf_state_holds_each_devices_share_and_errors_name_the_fix(tied_case):
+    pipe, params, staged, grads, _ = tied_case
+    tx = pipe.per_leaf(optax.adam(1e-2))
+    state = tx.init(staged)
+    assert isinstance(state, zbjax.StagedState)
+    # mu and nu of a device's leaves, plus the step count: the tied embedding on both devices.
+    sizes = [np.shape(r) for r in state.rows]
+    staged_size = sum(np.shape(r)[1] for r in staged.rows)
+    assert sizes[0][0] == 2
+    assert 2 * staged_size <= sum(s[1] for s in sizes) <= 2 * staged_size + 4
+    with pytest.raises(zbjax.PipelineError, match="takes staged params"):
+        tx.init(params)
+    with pytest.raises(zbjax.PipelineError, match="not the one per_leaf"):
+        tx.update(grads, optax.EmptyState(), staged)
+
+
+# ----------------------------------------------------------------------- views of one device's row
+
+
+def _slot(leaf, offset, shape, rows=None):
+    return LeafSlot(leaf, "float32", offset, int(np.prod(shape)), shape, rows)
+
+
+def test_leaf_view_of_whole_missing_scalar_and_row_range_copies():
+    aval = jax.ShapeDtypeStruct((6, 3), jnp.float32)
+    assert leaf_view(aval, []).shape == (0, 3)
+    assert leaf_view(jax.ShapeDtypeStruct((), jnp.float32), []).shape == ()
+    whole, part = _slot(0, 0, (6, 3)), _slot(0, 18, (2, 3), (1, 3))
+    view = leaf_view(aval, [part, whole])
+    assert view.shape == (6, 3) and view.reads == ((whole, 0),)
+    assert set(view.writes) == {(whole, 0), (part, 1)}
+    # Two disjoint ranges and one overlapping the first: the view is rows 0-3 then 4-6.
+    a, b, c = _slot(0, 0, (2, 3), (0, 2)), _slot(0, 6, (2, 3), (4, 6)), _slot(0, 12, (2, 3), (1, 3))
+    view = leaf_view(aval, [b, c, a])
+    assert view.shape == (5, 3)
+    assert view.reads == ((a, 0), (c, 1), (b, 0))
+    assert dict((s.offset, first) for s, first in view.writes) == {0: 0, 6: 3, 12: 1}
+
+
+@pytest.mark.parametrize(
+    "stage_leaves_, placement, rows",
+    [
+        (((0, 1), (2,), (0, 3)), (0, 1, 1), None),  # leaf 0 tied over two devices
+        (((0, 1), (0, 2)), (0, 0), None),  # tied on one device, stored twice
+        (((0, 3), (0,), (0, 2)), (0, 1, 0), (((0, 2), None), ((2, 4),), ((3, 6), None))),
+    ],
+)
+def test_unpack_then_pack_gives_each_devices_row_back(stage_leaves_, placement, rows):
+    avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((6, 3), (4,), (2, 2), (5,))]
+    layout = staged_layout(avals, stage_leaves_, placement, 2, rows)
+    leaves = [jax.random.normal(jax.random.key(i), a.shape) for i, a in enumerate(avals)]
+    staged = stage_leaves(layout, leaves)
+    for d, views in enumerate(device_views(layout)):
+        local = [r[d] for r in staged.rows]
+        values = unpack_views(layout, views, local)
+        for view, value in zip(views, values, strict=True):
+            assert value.shape == view.shape
+        for got, want in zip(pack_views(layout, views, values), local, strict=True):
+            np.testing.assert_array_equal(got, want)

@@ -1,0 +1,380 @@
+"""Optax transformations on staged params that see the user's parameter tree.
+
+Staged params (``zbjax.params``) are, per dtype, one ``[num_devices, L]`` array whose row ``d``
+packs device ``d``'s parameter leaves back to back. An optax transformation that works element
+by element (``sgd``, ``adam``, ``adamw`` without a mask, ``lion``) gives the same result on
+those rows as on the user's tree. One that looks at the tree does not: a weight-decay mask
+(``optax.adamw(mask=...)``), ``optax.multi_transform`` labels, and transformations that use a
+leaf's shape or norm (``adafactor``, ``lamb``, ``lars``, ``scale_by_trust_ratio``) would see two
+leaves, the rows, instead of the model's parameters.
+
+``per_leaf(tx, ...)`` runs ``tx`` on each device's own leaves in the user's tree structure:
+inside a ``shard_map`` over the pipeline axis every device unpacks its row into the leaves its
+stages hold (static slices; a ``lax.switch`` picks the device's code, as
+``params.sum_shared_gradients`` does), calls ``tx``, and packs the updates back into its row.
+A leaf the device does not hold is a zero-size placeholder of the leaf's rank (leading axis 0;
+a scalar leaf is a zero scalar) whose update is dropped, so the optimizer state of a device
+holds only its leaves' share. The state is packed the same way, per dtype one
+``[num_devices, S]`` array (``StagedState``), each device's state leaves back to back.
+
+What a device's ``tx`` sees, and so what matches the user-layout optimizer exactly:
+
+- a leaf a stage of the device reads whole is that leaf; a leaf stored on several devices (a
+  tied embedding) is seen whole by each, gets the same summed gradient, and so the same update;
+- a leaf of which the device holds some rows (the layers of a stacked ``nn.scan`` parameter its
+  stages run) is seen as those rows, in order: element-wise transformations and masks match
+  exactly; a transformation that reduces over a whole leaf (``lamb``'s trust ratio,
+  ``adafactor``'s factored moments) reduces over the device's rows of it instead;
+- nothing crosses devices, so a transformation over the whole tree (``clip_by_global_norm``)
+  must stay outside: ``optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(tx))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from zbjax._jax_compat import place_for_shard_map, shard_map
+from zbjax.errors import PipelineError
+from zbjax.params import LeafSlot, StagedLayout, StagedParams, dtype_name
+
+
+@dataclass(frozen=True)
+class LeafView:
+    """One leaf as one device's optimizer sees it.
+
+    ``shape`` is the view's shape: the leaf's, its held rows' (leading axis shortened), or the
+    zero-size placeholder's when the device holds none of it. ``reads`` are (slot, first row
+    of the slot to take) in view order: concatenated they make the view. ``writes`` are
+    (slot, first row of the view) for every copy on the device: each gets its rows of the view.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    reads: tuple[tuple[LeafSlot, int], ...]
+    writes: tuple[tuple[LeafSlot, int], ...]
+
+
+def _slot_rows(slot: LeafSlot, num_rows: int) -> tuple[int, int]:
+    return slot.rows if slot.rows is not None else (0, num_rows)
+
+
+def leaf_view(aval: Any, slots: Sequence[LeafSlot]) -> LeafView:
+    """Returns the view of a leaf with ``aval`` whose copies on one device are ``slots``."""
+    shape, dtype = tuple(aval.shape), dtype_name(aval.dtype)
+    if not slots:
+        return LeafView((0, *shape[1:]) if shape else (), dtype, (), ())
+    if not shape:  # a scalar leaf is stored whole
+        return LeafView((), dtype, ((slots[0], 0),), tuple((s, 0) for s in slots))
+    # Rows held, as disjoint runs; a whole copy holds every row.
+    spans = sorted(_slot_rows(s, shape[0]) for s in slots)
+    runs: list[list[int]] = []
+    for begin, end in spans:
+        if runs and begin <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([begin, end])
+    run_start, pos = [], 0
+    for begin, end in runs:
+        run_start.append(pos)
+        pos += end - begin
+
+    def view_row(row: int) -> int:
+        i = max(j for j, run in enumerate(runs) if run[0] <= row)
+        return run_start[i] + row - runs[i][0]
+
+    reads, covered = [], -1
+    for slot in sorted(slots, key=lambda s: _slot_rows(s, shape[0])):
+        begin, end = _slot_rows(slot, shape[0])
+        if end > covered:
+            first = max(begin, covered) if covered >= 0 else begin
+            reads.append((slot, first - begin))
+            covered = end
+    writes = tuple((s, view_row(_slot_rows(s, shape[0])[0])) for s in slots)
+    return LeafView((pos, *shape[1:]), dtype, tuple(reads), writes)
+
+
+def device_views(layout: StagedLayout) -> list[list[LeafView]]:
+    """Returns, per device, the view of every param leaf (``param_leaves`` order)."""
+    held: list[list[list[LeafSlot]]] = [
+        [[] for _ in layout.param_avals] for _ in range(layout.num_devices)
+    ]
+    for device, slot in layout.copies():
+        held[device][slot.leaf].append(slot)
+    return [
+        [leaf_view(aval, held[d][i]) for i, aval in enumerate(layout.param_avals)]
+        for d in range(layout.num_devices)
+    ]
+
+
+def _row_slice(rows: Sequence[jax.Array], layout: StagedLayout, slot: LeafSlot) -> jax.Array:
+    row = rows[layout.dtype_index(slot.dtype)]
+    return row[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+
+
+def unpack_views(
+    layout: StagedLayout, views: Sequence[LeafView], rows: Sequence[jax.Array]
+) -> list[jax.Array]:
+    """Returns one device's leaves as ``views`` say, from its rows (one vector per dtype)."""
+    out = []
+    for view in views:
+        if not view.reads:
+            out.append(jnp.zeros(view.shape, view.dtype))
+            continue
+        pieces = [_row_slice(rows, layout, slot)[skip:] for slot, skip in view.reads]
+        out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+    return out
+
+
+def _pack(pieces: Sequence[tuple[int, jax.Array]], size: int, dtype: str) -> jax.Array:
+    """Returns a ``size``-long vector with each flat value of ``pieces`` at its offset, zeros
+    elsewhere (``pieces`` do not overlap)."""
+    parts, fill = [], 0
+    for offset, value in sorted(pieces, key=lambda p: p[0]):
+        if offset > fill:
+            parts.append(jnp.zeros(offset - fill, dtype))
+        parts.append(jnp.ravel(value).astype(dtype))
+        fill = offset + int(np.size(value))
+    if size > fill or not parts:
+        parts.append(jnp.zeros(size - fill, dtype))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def pack_views(
+    layout: StagedLayout, views: Sequence[LeafView], values: Sequence[jax.Array]
+) -> list[jax.Array]:
+    """Returns one device's rows (one vector per dtype) holding ``values`` as ``views`` say,
+    every copy of a leaf its rows of the value; padding and others' slots hold zeros."""
+    pieces: list[list] = [[] for _ in layout.dtypes]
+    for view, value in zip(views, values, strict=True):
+        for slot, first in view.writes:
+            part = value if not slot.shape else value[first : first + slot.shape[0]]
+            pieces[layout.dtype_index(slot.dtype)].append((slot.offset, part))
+    return [
+        _pack(p, size, dt)
+        for p, size, dt in zip(pieces, layout.row_size, layout.dtypes, strict=True)
+    ]
+
+
+@jax.tree_util.register_pytree_node_class
+class StagedState:
+    """An optimizer state made by ``per_leaf``: ``rows[k]`` is a ``[num_devices, S_k]`` array
+    of dtype ``dtypes[k]`` whose row ``d`` packs device ``d``'s state leaves."""
+
+    def __init__(self, rows: Sequence[jax.Array], dtypes: Sequence[str]):
+        self.rows = tuple(rows)
+        self.dtypes = tuple(dtypes)
+
+    def tree_flatten(self):
+        return self.rows, self.dtypes
+
+    @classmethod
+    def tree_unflatten(cls, dtypes, rows):
+        return cls(rows, dtypes)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{dt}{list(np.shape(r))}" for dt, r in zip(self.dtypes, self.rows, strict=True)
+        )
+        return f"StagedState({shapes})"
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where each device's optimizer state leaves sit in its ``StagedState`` rows.
+
+    ``treedefs[d]`` is device ``d``'s state tree structure (they may differ: a mask computed
+    from leaf sizes, say), ``leaves[d]`` its leaves' (dtype index, offset, shape)."""
+
+    dtypes: tuple[str, ...]
+    row_size: tuple[int, ...]
+    treedefs: tuple[Any, ...]
+    leaves: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...]
+
+    def unpack(self, device: int, rows: Sequence[jax.Array]) -> Any:
+        values = [
+            rows[k][offset : offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+            for k, offset, shape in self.leaves[device]
+        ]
+        return jax.tree_util.tree_unflatten(self.treedefs[device], values)
+
+    def pack(self, device: int, state: Any, what: str) -> list[jax.Array]:
+        values, treedef = jax.tree_util.tree_flatten(state)
+        if treedef != self.treedefs[device]:
+            raise PipelineError(
+                f"{what} returned an optimizer state whose structure differs from the one its "
+                f"init made ({treedef} != {self.treedefs[device]}); per_leaf needs a "
+                f"transformation whose state keeps its structure from step to step, as optax's do"
+            )
+        pieces: list[list] = [[] for _ in self.dtypes]
+        for (k, offset, _), value in zip(self.leaves[device], values, strict=True):
+            pieces[k].append((offset, value))
+        return [
+            _pack(p, size, dt)
+            for p, size, dt in zip(pieces, self.row_size, self.dtypes, strict=True)
+        ]
+
+
+def state_layout(
+    init: Callable[[Any], Any], treedef: Any, views: Sequence[Sequence[LeafView]]
+) -> StateLayout:
+    """Returns the layout of the states ``init`` makes for each device's view tree."""
+    flat = []
+    for device_views_ in views:
+        tree = jax.tree_util.tree_unflatten(
+            treedef, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in device_views_]
+        )
+        leaves, state_def = jax.tree_util.tree_flatten(jax.eval_shape(init, tree))
+        for leaf in leaves:
+            if not isinstance(leaf, jax.ShapeDtypeStruct) or jax.dtypes.issubdtype(
+                leaf.dtype, jax.dtypes.extended
+            ):
+                raise PipelineError(
+                    f"per_leaf: the optimizer's state holds {leaf!r}, which cannot be packed into "
+                    f"the staged state's rows; per_leaf takes transformations whose state is "
+                    f"numeric arrays (every optax optimizer's is); keep a transformation with "
+                    f"other state (a PRNG key, say) outside per_leaf in the optax.chain"
+                )
+        flat.append((leaves, state_def))
+    dtypes = tuple(sorted({dtype_name(x.dtype) for leaves, _ in flat for x in leaves}))
+    fills = []
+    placed = []
+    for leaves, _ in flat:
+        fill = [0] * len(dtypes)
+        mine = []
+        for x in leaves:
+            k = dtypes.index(dtype_name(x.dtype))
+            mine.append((k, fill[k], tuple(x.shape)))
+            fill[k] += int(np.prod(x.shape, dtype=np.int64))
+        fills.append(fill)
+        placed.append(tuple(mine))
+    row_size = tuple(max((f[k] for f in fills), default=0) for k in range(len(dtypes)))
+    return StateLayout(dtypes, row_size, tuple(d for _, d in flat), tuple(placed))
+
+
+def _per_device(axis: str, num_devices: int, branch: Callable[[int], Callable], *operands):
+    """Runs ``branch(d)`` on the operands on pipeline device ``d`` (inside ``shard_map``)."""
+    if num_devices == 1:
+        return branch(0)(*operands)
+    index = jax.lax.axis_index(axis)
+    return jax.lax.switch(index, [branch(d) for d in range(num_devices)], *operands)
+
+
+def per_leaf(
+    tx: Any, *, layout: Callable[[], tuple[StagedLayout, Any]], mesh: Any, axis: str
+) -> Any:
+    """Returns an optax transformation of staged params that runs ``tx`` on each device's
+    leaves in the user's tree structure (see the module docstring).
+
+    ``layout()`` gives the pipeline's current staged layout and the user's param treedef; it
+    is asked at every ``init`` and ``update``, so the transformation can be made before the
+    pipeline is built.
+    """
+    import optax
+
+    spec = PartitionSpec(axis)
+
+    def check(params: Any, what: str) -> tuple[StagedLayout, Any]:
+        if not isinstance(params, StagedParams):
+            raise PipelineError(
+                f"per_leaf(...).{what} takes staged params (pipe.stage(params, batch)) and "
+                f"their gradients, got {type(params).__name__}; for params in the user's "
+                f"layout use the optax transformation itself"
+            )
+        staged_layout, treedef = layout()
+        if tuple(np.shape(r)[-1] for r in params.rows) != staged_layout.row_size:
+            raise PipelineError(
+                f"per_leaf(...).{what}: the staged arrays have rows of "
+                f"{[np.shape(r)[-1] for r in params.rows]} elements, the pipeline's current "
+                f"layout {list(staged_layout.row_size)}; stage the params with this pipeline "
+                f"(pipe.stage) after building it for the batch shape you train with"
+            )
+        return staged_layout, treedef
+
+    def setup(params: Any, what: str):
+        staged_layout, treedef = check(params, what)
+        views = device_views(staged_layout)
+        return staged_layout, treedef, views, state_layout(tx.init, treedef, views)
+
+    def run(body: Callable, args: Sequence[Any], num_out: int) -> Any:
+        specs = jax.tree.map(lambda _: spec, args)
+        fn = shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(specs),
+            out_specs=tuple([spec] * n for n in num_out),
+            check_vma=False,
+        )
+        return fn(*place_for_shard_map(mesh, tuple(args), tuple(specs)))
+
+    def init(params: StagedParams) -> StagedState:
+        staged_layout, treedef, views, states = setup(params, "init")
+
+        def body(param_rows):
+            def branch(d):
+                def on_device(rows):
+                    leaves = unpack_views(staged_layout, views[d], rows)
+                    state = tx.init(jax.tree_util.tree_unflatten(treedef, leaves))
+                    return states.pack(d, state, "init")
+
+                return on_device
+
+            local = [r[0] for r in param_rows]
+            out = _per_device(axis, staged_layout.num_devices, branch, local)
+            return ([r[None] for r in out],)
+
+        (rows,) = run(body, (list(params.rows),), (len(states.dtypes),))
+        return StagedState(rows, states.dtypes)
+
+    def update(updates: StagedParams, state: StagedState, params: StagedParams | None = None):
+        staged_layout, treedef, views, states = setup(updates, "update")
+        if not isinstance(state, StagedState) or state.dtypes != states.dtypes:
+            raise PipelineError(
+                "per_leaf(...).update: the optimizer state is not the one per_leaf(...).init "
+                "made for this pipeline's layout; call init on the staged params again"
+            )
+        with_params = params is not None
+        if with_params:
+            check(params, "update")
+
+        def body(grad_rows, state_rows, param_rows):
+            def branch(d):
+                def on_device(grads, st, ps):
+                    def tree(rows):
+                        leaves = unpack_views(staged_layout, views[d], rows)
+                        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+                    new, new_state = tx.update(
+                        tree(grads), states.unpack(d, st), tree(ps) if with_params else None
+                    )
+                    flat, new_def = jax.tree_util.tree_flatten(new)
+                    if new_def != treedef:
+                        raise PipelineError(
+                            f"per_leaf: the transformation's updates have the structure "
+                            f"{new_def}, not the params' {treedef}"
+                        )
+                    return pack_views(staged_layout, views[d], flat), states.pack(
+                        d, new_state, "update"
+                    )
+
+                return on_device
+
+            local = [[r[0] for r in rows] for rows in (grad_rows, state_rows, param_rows)]
+            new, new_state = _per_device(axis, staged_layout.num_devices, branch, *local)
+            return [r[None] for r in new], [r[None] for r in new_state]
+
+        param_rows = list(params.rows) if with_params else list(updates.rows)
+        new, new_state = run(
+            body,
+            (list(updates.rows), list(state.rows), param_rows),
+            (len(staged_layout.dtypes), len(states.dtypes)),
+        )
+        return StagedParams(new, updates.dtypes), StagedState(new_state, states.dtypes)
+
+    return optax.GradientTransformation(init, update)
