@@ -35,6 +35,9 @@ def labels(params):
 
 TRANSFORMS = {
     "adamw with a decay mask": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=decay_mask),
+    "adamw with a decay mask tree": lambda: optax.adamw(
+        1e-2, weight_decay=0.5, mask=decay_mask(gpt.init_params(jax.random.key(0), CFG))
+    ),
     "multi_transform by label": lambda: optax.multi_transform(
         {"matrix": optax.adam(1e-2), "vector": optax.sgd(0.5)}, labels
     ),
@@ -146,8 +149,8 @@ def _slot(leaf, offset, shape, rows=None):
 
 def test_leaf_view_of_whole_missing_scalar_and_row_range_copies():
     aval = jax.ShapeDtypeStruct((6, 3), jnp.float32)
-    assert leaf_view(aval, []).shape == (0, 3)
-    assert leaf_view(jax.ShapeDtypeStruct((), jnp.float32), []).shape == ()
+    for missing in (aval, jax.ShapeDtypeStruct((), jnp.float32)):  # held by other devices
+        assert leaf_view(missing, []).reads == leaf_view(missing, []).writes == ()
     whole, part = _slot(0, 0, (6, 3)), _slot(0, 18, (2, 3), (1, 3))
     view = leaf_view(aval, [part, whole])
     assert view.shape == (6, 3) and view.reads == ((whole, 0),)
@@ -177,6 +180,6 @@ def test_unpack_then_pack_gives_each_devices_row_back(stage_leaves_, placement, 
         local = [r[d] for r in staged.rows]
         values = unpack_views(layout, views, local)
         for view, value in zip(views, values, strict=True):
-            assert value.shape == view.shape
+            assert value.shape == view.shape if view.reads else value is None
         for got, want in zip(pack_views(layout, views, values), local, strict=True):
             np.testing.assert_array_equal(got, want)

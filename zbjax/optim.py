@@ -12,10 +12,11 @@ leaves, the rows, instead of the model's parameters.
 inside a ``shard_map`` over the pipeline axis every device unpacks its row into the leaves its
 stages hold (static slices; a ``lax.switch`` picks the device's code, as
 ``params.sum_shared_gradients`` does), calls ``tx``, and packs the updates back into its row.
-A leaf the device does not hold is a zero-size placeholder of the leaf's rank (leading axis 0;
-a scalar leaf is a zero scalar) whose update is dropped, so the optimizer state of a device
-holds only its leaves' share. The state is packed the same way, per dtype one
-``[num_devices, S]`` array (``StagedState``), each device's state leaves back to back.
+A leaf the device does not hold is None in its tree (an empty subtree, which optax's tree maps
+pass over, as they do its masked leaves), so ``tx`` neither computes nor traces it there and
+the optimizer state of a device holds only its leaves' share. The state is packed the same way,
+per dtype one ``[num_devices, S]`` array (``StagedState``), each device's state leaves back to
+back.
 
 What a device's ``tx`` sees, and so what matches the user-layout optimizer exactly:
 
@@ -49,9 +50,9 @@ from zbjax.params import LeafSlot, StagedLayout, StagedParams, dtype_name
 class LeafView:
     """One leaf as one device's optimizer sees it.
 
-    ``shape`` is the view's shape: the leaf's, its held rows' (leading axis shortened), or the
-    zero-size placeholder's when the device holds none of it. ``reads`` are (slot, first row
-    of the slot to take) in view order: concatenated they make the view. ``writes`` are
+    ``shape`` is the view's shape: the leaf's, or its held rows' (leading axis shortened);
+    ``reads`` are (slot, first row of the slot to take) in view order: concatenated they make
+    the view, and there are none when the device holds none of the leaf. ``writes`` are
     (slot, first row of the view) for every copy on the device: each gets its rows of the view.
     """
 
@@ -69,7 +70,7 @@ def leaf_view(aval: Any, slots: Sequence[LeafSlot]) -> LeafView:
     """Returns the view of a leaf with ``aval`` whose copies on one device are ``slots``."""
     shape, dtype = tuple(aval.shape), dtype_name(aval.dtype)
     if not slots:
-        return LeafView((0, *shape[1:]) if shape else (), dtype, (), ())
+        return LeafView((0, *shape[1:]), dtype, (), ())
     if not shape:  # a scalar leaf is stored whole
         return LeafView((), dtype, ((slots[0], 0),), tuple((s, 0) for s in slots))
     # Rows held, as disjoint runs; a whole copy holds every row.
@@ -121,11 +122,12 @@ def _row_slice(rows: Sequence[jax.Array], layout: StagedLayout, slot: LeafSlot) 
 def unpack_views(
     layout: StagedLayout, views: Sequence[LeafView], rows: Sequence[jax.Array]
 ) -> list[jax.Array]:
-    """Returns one device's leaves as ``views`` say, from its rows (one vector per dtype)."""
-    out = []
+    """Returns one device's leaves as ``views`` say, from its rows (one vector per dtype);
+    None for a leaf it does not hold."""
+    out: list = []
     for view in views:
         if not view.reads:
-            out.append(jnp.zeros(view.shape, view.dtype))
+            out.append(None)
             continue
         pieces = [_row_slice(rows, layout, slot)[skip:] for slot, skip in view.reads]
         out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
@@ -228,7 +230,8 @@ def state_layout(
     flat = []
     for device_views_ in views:
         tree = jax.tree_util.tree_unflatten(
-            treedef, [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in device_views_]
+            treedef,
+            [jax.ShapeDtypeStruct(v.shape, v.dtype) if v.reads else None for v in device_views_],
         )
         leaves, state_def = jax.tree_util.tree_flatten(jax.eval_shape(init, tree))
         for leaf in leaves:
@@ -353,12 +356,13 @@ def per_leaf(
                     new, new_state = tx.update(
                         tree(grads), states.unpack(d, st), tree(ps) if with_params else None
                     )
-                    flat, new_def = jax.tree_util.tree_flatten(new)
-                    if new_def != treedef:
+                    try:  # the subtree at each leaf: None where the device holds none
+                        flat = treedef.flatten_up_to(new)
+                    except (TypeError, ValueError) as e:
                         raise PipelineError(
-                            f"per_leaf: the transformation's updates have the structure "
-                            f"{new_def}, not the params' {treedef}"
-                        )
+                            f"per_leaf: the transformation's updates do not have the params' "
+                            f"tree structure {treedef}: {e}"
+                        ) from None
                     return pack_views(staged_layout, views[d], flat), states.pack(
                         d, new_state, "update"
                     )
