@@ -327,7 +327,8 @@ def _add_demo_parser(subparsers: Any) -> None:
         help="train a small GPT pipelined over the devices and check it against JAX",
         description=(
             "Train the reference GPT on a generated character-level corpus, pipelined over a "
-            "1-D mesh (8 fake CPU devices, or the accelerators present), with optax.adamw. "
+            "1-D mesh (8 fake CPU devices, or the accelerators present), with optax.adamw "
+            "(weight decay on matrices, run per leaf by pipe.per_leaf). "
             "Prints the pipeline report and one progress line per step, writes the schedule's "
             "Gantt chart and Perfetto trace, and checks the first step's loss and gradients "
             "and the final loss against the unpipelined model. Exits 1 when a check fails."

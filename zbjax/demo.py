@@ -2,10 +2,10 @@
 
 ``run_demo(DemoConfig(...))`` trains ``models.gpt`` on a character-level corpus that
 ``zbjax.data`` generates at run time, with ``zbjax.pipeline`` over a 1-D ``pp`` mesh and
-``optax.adamw``, and returns a ``DemoResult``: the loss curve, step times, the first step
-compared with ``jax.value_and_grad(loss_fn)``, and the final loss compared with an unpipelined
-run of the same steps (same batches, same optimizer). The command line (``zbjax.cli``) only
-prints what the callbacks and the result say.
+``optax.adamw`` (weight decay on matrices), and returns a ``DemoResult``: the loss curve, step
+times, the first step compared with ``jax.value_and_grad(loss_fn)``, and the final loss
+compared with an unpipelined run of the same steps (same batches, same optimizer). The command
+line (``zbjax.cli``) only prints what the callbacks and the result say.
 
 Choices a user would want to know:
 
@@ -13,10 +13,11 @@ Choices a user would want to know:
   (embedding with the first block, the final LayerNorm and tied head with the last), and the
   schedule is built here from the same per-stage FLOP estimates, so that the Gantt chart, the
   trace and the bubble rate on the progress line describe the schedule that actually runs.
-- Params stay in the pipeline's staged layout between steps (``pipe.stage``), and adamw updates
-  that layout directly: each device updates only the rows of its own stages. adamw is
-  elementwise, and a tied leaf's copies all receive the summed gradient, so this equals adamw on
-  the user layout; padding stays zero because its gradient is zero.
+- Params stay in the pipeline's staged layout between steps (``pipe.stage``). adamw decays the
+  weight matrices and embeddings only (a mask on the parameter tree, as GPT recipes do: no
+  decay on LayerNorm scales and biases), so it runs through ``pipe.per_leaf``: each device
+  updates the leaves its stages hold, in the tree's structure, which equals adamw on the user
+  layout (a tied leaf's copies all receive the summed gradient); padding stays zero.
 - On CPU the demo asks JAX for 8 host devices (more when ``devices`` is larger) before the
   backend starts; when the backend is already running (in tests) it uses the devices present.
 """
@@ -313,6 +314,12 @@ def compare_final(
     )
 
 
+def matrices(params: Any) -> Any:
+    """Returns the weight-decay mask: True for the leaves of two or more dimensions (weight
+    matrices, embeddings), False for LayerNorm scales and biases."""
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
 def _adamw_step(optimizer: optax.GradientTransformation, out_shardings: Any = None):
     """Returns jitted ``(grads, state, params) -> (params, state)`` of one optimizer step;
     ``out_shardings``, when given, is (params shardings, state shardings)."""
@@ -410,7 +417,8 @@ def run_demo(
         num_microbatches=config.microbatches,
         num_stages=num_stages,
     )
-    optimizer = optax.adamw(config.lr, weight_decay=config.weight_decay)
+    # The user-layout optimizer (the reference run's); the pipelined steps run it per leaf.
+    optimizer = optax.adamw(config.lr, weight_decay=config.weight_decay, mask=matrices)
     phases: list[tuple[str, float]] = [("setup", time.perf_counter() - started)]
     tick = time.perf_counter()
     pipe.lower(params, batches(0))  # builds the stage programs, so that params can be staged
@@ -428,10 +436,11 @@ def run_demo(
         on_report(pipe.report(step_fn))
         phases.append(("report", time.perf_counter() - tick))
     # Every step's inputs carry the same shardings, so the update compiles once, not twice.
-    state = optimizer.init(staged)
+    staged_optimizer = pipe.per_leaf(optimizer)
+    state = staged_optimizer.init(staged)
     shardings = (_staged_shardings(staged, mesh), _staged_shardings(state, mesh))
     staged, state = jax.device_put((staged, state), shardings)
-    apply = _adamw_step(optimizer, out_shardings=shardings)
+    apply = _adamw_step(staged_optimizer, out_shardings=shardings)
 
     tokens_per_step = config.batch_size * config.seq_len
     # Profile two steps after the first, whose time is mostly compilation.
