@@ -488,8 +488,8 @@ class Pipeline:
         same result on the staged rows as they are. Use ``per_leaf`` for one that looks at the
         tree: a mask (``optax.adamw(lr, mask=...)``), ``optax.multi_transform`` labels, or a
         leaf's shape or norm (``adafactor``, ``lamb``). Each device sees the leaves its stages
-        hold (a leaf it holds some rows of, as those rows; one it does not hold, as a
-        zero-size placeholder) and nothing crosses devices, so keep a whole-tree
+        hold (a leaf it holds some rows of, as those rows; one it does not hold, as None,
+        which optax passes over) and nothing crosses devices, so keep a whole-tree
         transformation outside: ``optax.chain(pipe.clip_by_global_norm(1.0),
         pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``.
         """
