@@ -175,10 +175,10 @@ def staged_layout(
     )
 
 
-@jax.tree_util.register_pytree_node_class
-class StagedParams:
-    """Params (or grads) in the staged layout: ``rows[k]`` is a ``[num_devices, row_size[k]]``
-    array of dtype ``dtypes[k]``; row ``d`` lives on pipeline device ``d``."""
+class PackedRows:
+    """Per dtype one ``[num_devices, n]`` array, ``rows[k]`` of dtype ``dtypes[k]``, whose row
+    ``d`` lives on pipeline device ``d``; a pytree whose leaves are the rows (subclasses
+    register themselves)."""
 
     def __init__(self, rows: Sequence[jax.Array], dtypes: Sequence[str]):
         self.rows = tuple(rows)
@@ -195,7 +195,13 @@ class StagedParams:
         shapes = ", ".join(
             f"{dt}{list(np.shape(r))}" for dt, r in zip(self.dtypes, self.rows, strict=True)
         )
-        return f"StagedParams({shapes})"
+        return f"{type(self).__name__}({shapes})"
+
+
+@jax.tree_util.register_pytree_node_class
+class StagedParams(PackedRows):
+    """Params (or grads) in the staged layout: ``rows[k]`` is a ``[num_devices, row_size[k]]``
+    array of dtype ``dtypes[k]``; row ``d`` packs device ``d``'s parameter leaves."""
 
 
 def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedParams:
