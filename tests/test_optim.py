@@ -55,7 +55,8 @@ def _case(module, mesh_shape, schedule, num_stages):
     loss_fn = module.make_loss_fn(cfg)
     params = module.init_params(jax.random.key(0), cfg)
     batch = gpt.make_batch(jax.random.key(1), cfg, 8)
-    mesh = jax.make_mesh(mesh_shape, ("pp", "dp")[: len(mesh_shape)])
+    explicit = (jax.sharding.AxisType.Explicit,) * len(mesh_shape)
+    mesh = jax.make_mesh(mesh_shape, ("pp", "dp")[: len(mesh_shape)], axis_types=explicit)
     kw = {} if module is gpt else {"num_stages": num_stages}
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule=schedule, num_microbatches=M, **kw)
     staged = pipe.stage(params, batch)
@@ -138,6 +139,40 @@ def test_per_leaf_state_holds_each_devices_share_and_errors_name_the_fix(tied_ca
         tx.init(params)
     with pytest.raises(zbjax.PipelineError, match="not the one per_leaf"):
         tx.update(grads, optax.EmptyState(), staged)
+
+
+def test_a_learning_rate_schedule_runs_inside_per_leaf_and_a_closure_over_the_step_is_named(
+    tied_case,
+):
+    pipe, params, staged, grads, ref_grads = tied_case
+    schedule = optax.linear_schedule(1e-2, 1e-3, 4)
+    inner = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=schedule, weight_decay=0.5, mask=decay_mask
+    )
+    step = jax.jit(lambda p, g, s, tx: _step(tx, p, g, s), static_argnums=3)
+    tx = pipe.per_leaf(inner)
+    got, state = staged, tx.init(staged)
+    want, ref_state = params, inner.init(params)
+    for _ in range(3):
+        got, state = step(got, grads, state, tx)
+        want, ref_state = _step(inner, want, ref_grads, ref_state)
+    for row, want_row in zip(got.rows, pipe.stage(want).rows, strict=True):
+        np.testing.assert_allclose(row, want_row, rtol=1e-5, atol=1e-6)
+    # Around per_leaf, the schedule's learning rate is a value of the jitted step that the
+    # per-device code closes over; on a mesh with explicit axes (the fixtures') JAX cannot
+    # take it in.
+    outer = optax.inject_hyperparams(lambda learning_rate: pipe.per_leaf(optax.sgd(learning_rate)))(
+        learning_rate=schedule
+    )
+    state = outer.init(staged)
+    _, state = step(staged, grads, state, outer)  # the state now lies on the mesh
+    with pytest.raises(zbjax.PipelineError, match="put such a wrapper inside"):
+        step(staged, grads, state, outer)
+
+
+def _step(tx, params, grads, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
 
 
 # ----------------------------------------------------------------------- views of one device's row

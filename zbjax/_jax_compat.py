@@ -811,17 +811,16 @@ def shard_map(fn: Callable, *, mesh: Any, in_specs: Any, **kwargs: Any) -> Calla
 
 
 def place_for_shard_map(mesh: Any, args: Any, specs: Any) -> Any:
-    """Returns ``args`` resharded to ``specs`` (a matching tree of ``PartitionSpec``) when
-    ``mesh`` has explicit axes, else ``args`` as they are.
+    """Returns ``args`` resharded to ``specs`` (a tree of ``PartitionSpec``, a prefix of
+    ``args``) when ``mesh`` has explicit axes, else ``args`` as they are.
 
     Under explicit sharding ``shard_map`` takes inputs only when they already carry its
     ``in_specs``; resharding one placed that way already is a no-op.
     """
     if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
         return args
-    return jax.tree.map(
-        lambda x, spec: jax.reshard(x, jax.sharding.NamedSharding(mesh, spec)),
-        args,
-        specs,
-        is_leaf=_is_spec,
-    )
+
+    def place(spec: Any, sub: Any) -> Any:
+        return jax.tree.map(lambda x: jax.reshard(x, jax.sharding.NamedSharding(mesh, spec)), sub)
+
+    return jax.tree.map(place, specs, args, is_leaf=_is_spec)

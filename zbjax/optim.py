@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec
 
 from zbjax._jax_compat import place_for_shard_map, shard_map
 from zbjax.errors import PipelineError
-from zbjax.params import LeafSlot, StagedLayout, StagedParams, dtype_name
+from zbjax.params import LeafSlot, PackedRows, StagedLayout, StagedParams, dtype_name
 
 
 @dataclass(frozen=True)
@@ -165,26 +165,9 @@ def pack_views(
 
 
 @jax.tree_util.register_pytree_node_class
-class StagedState:
+class StagedState(PackedRows):
     """An optimizer state made by ``per_leaf``: ``rows[k]`` is a ``[num_devices, S_k]`` array
     of dtype ``dtypes[k]`` whose row ``d`` packs device ``d``'s state leaves."""
-
-    def __init__(self, rows: Sequence[jax.Array], dtypes: Sequence[str]):
-        self.rows = tuple(rows)
-        self.dtypes = tuple(dtypes)
-
-    def tree_flatten(self):
-        return self.rows, self.dtypes
-
-    @classmethod
-    def tree_unflatten(cls, dtypes, rows):
-        return cls(rows, dtypes)
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(
-            f"{dt}{list(np.shape(r))}" for dt, r in zip(self.dtypes, self.rows, strict=True)
-        )
-        return f"StagedState({shapes})"
 
 
 @dataclass(frozen=True)
@@ -305,7 +288,7 @@ def per_leaf(
         views = device_views(staged_layout)
         return staged_layout, treedef, views, state_layout(tx.init, treedef, views)
 
-    def run(body: Callable, args: Sequence[Any], num_out: int) -> Any:
+    def run(body: Callable, args: Sequence[Any], num_out: Sequence[int]) -> Any:
         specs = jax.tree.map(lambda _: spec, args)
         fn = shard_map(
             body,
@@ -314,7 +297,18 @@ def per_leaf(
             out_specs=tuple([spec] * n for n in num_out),
             check_vma=False,
         )
-        return fn(*place_for_shard_map(mesh, tuple(args), tuple(specs)))
+        try:
+            return fn(*place_for_shard_map(mesh, tuple(args), tuple(specs)))
+        except NotImplementedError as e:
+            if "Closing over inputs to shard_map" not in str(e):
+                raise
+            raise PipelineError(
+                "per_leaf: the optax transformation closes over a value of the enclosing jit "
+                "that lies on the mesh's explicit axes, which the per-device shard_map cannot "
+                "take in (optax.inject_hyperparams around per_leaf computes the learning rate "
+                "from its step count outside it, say); put such a wrapper inside: "
+                "pipe.per_leaf(optax.inject_hyperparams(optax.adamw)(learning_rate=schedule))"
+            ) from None
 
     def init(params: StagedParams) -> StagedState:
         staged_layout, treedef, views, states = setup(params, "init")
