@@ -24,11 +24,13 @@ import in_context  # noqa: E402
 import lockstep  # noqa: E402
 import memory  # noqa: E402
 import multiprocess  # noqa: E402
+import optimizer  # noqa: E402
 import overlap  # noqa: E402
 import slot_writes  # noqa: E402
 import stash_reads  # noqa: E402
 import step_time  # noqa: E402
 
+from models import gpt  # noqa: E402
 from zbjax import schedules  # noqa: E402
 
 
@@ -255,6 +257,18 @@ def test_scan_gpt_params_per_device_shrink_with_more_stages():
     text, held = memory.scan_params_per_device(memory.SMOKE_MODEL)
     assert "p = 2" in text and "p = 4" in text
     assert held[4] < 0.75 * held[2], held
+
+
+def test_optimizer_benchmark_times_every_variant_against_adamw_on_the_rows():
+    tiny = optimizer.Case(
+        "tiny GPT", gpt.GPTConfig(num_layers=2, d_model=16, seq_len=8, vocab_size=32), 2, 4
+    )
+    rows = optimizer.measure(tiny, rounds=2)
+    assert len(rows) == 4 and len({r.variant for r in rows}) == 4
+    assert all(r.update_ms > 0 and r.compile_s > 0 and r.step_ms > 0 for r in rows)
+    assert rows[0].variant == optimizer.BASELINE and rows[0].ratio == 1.0
+    text = optimizer.section(rows, 2, ("before", "after"), 1.0)
+    assert text.count("| tiny GPT |") == 4 and "Slowest per_leaf update" in text
 
 
 def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_section():
