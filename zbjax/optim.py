@@ -283,10 +283,16 @@ def per_leaf(
             )
         return staged_layout, treedef
 
+    built: dict[int, tuple] = {}  # id(layout) -> (layout, views, state layout)
+
     def setup(params: Any, what: str):
         staged_layout, treedef = check(params, what)
-        views = device_views(staged_layout)
-        return staged_layout, treedef, views, state_layout(tx.init, treedef, views)
+        if id(staged_layout) not in built:  # the layout is kept, so its id is not reused
+            views = device_views(staged_layout)
+            states = state_layout(tx.init, treedef, views)
+            built[id(staged_layout)] = (staged_layout, views, states)
+        _, views, states = built[id(staged_layout)]
+        return staged_layout, treedef, views, states
 
     def run(body: Callable, args: Sequence[Any], num_out: Sequence[int]) -> Any:
         specs = jax.tree.map(lambda _: spec, args)
@@ -331,7 +337,11 @@ def per_leaf(
 
     def update(updates: StagedParams, state: StagedState, params: StagedParams | None = None):
         staged_layout, treedef, views, states = setup(updates, "update")
-        if not isinstance(state, StagedState) or state.dtypes != states.dtypes:
+        sizes = tuple(np.shape(r)[-1] for r in getattr(state, "rows", ()))
+        if not isinstance(state, StagedState) or (state.dtypes, sizes) != (
+            states.dtypes,
+            states.row_size,
+        ):
             raise PipelineError(
                 "per_leaf(...).update: the optimizer state is not the one per_leaf(...).init "
                 "made for this pipeline's layout; call init on the staged params again"
