@@ -30,6 +30,7 @@ from bw_split import machine_load
 
 from models import gpt
 from zbjax.cpu import use_cpu_devices
+from zbjax.demo import matrices
 
 COMMAND = "python benchmarks/optimizer.py"
 BASELINE = "adamw on the rows"
@@ -59,10 +60,6 @@ CASES = (
         8,
     ),
 )
-
-
-def matrices(params):
-    return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
 def variants(pipe) -> dict[str, optax.GradientTransformation]:
