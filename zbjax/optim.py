@@ -10,8 +10,8 @@ leaves, the rows, instead of the model's parameters.
 
 ``per_leaf(tx, ...)`` runs ``tx`` on each device's own leaves in the user's tree structure:
 inside a ``shard_map`` over the pipeline axis every device unpacks its row into the leaves its
-stages hold (static slices; a ``lax.switch`` picks the device's code, as
-``params.sum_shared_gradients`` does), calls ``tx``, and packs the updates back into its row.
+stages hold (static slices; ``params.per_device``, a ``lax.switch``, picks the device's code, as
+for ``params.sum_shared_gradients``), calls ``tx``, and packs the updates back into its row.
 A leaf the device does not hold is None in its tree (an empty subtree, which optax's tree maps
 pass over, as they do its masked leaves), so ``tx`` neither computes nor traces it there and
 the optimizer state of a device holds only its leaves' share. The state is packed the same way,
@@ -43,7 +43,14 @@ from jax.sharding import PartitionSpec
 
 from zbjax._jax_compat import place_for_shard_map, shard_map
 from zbjax.errors import PipelineError
-from zbjax.params import LeafSlot, PackedRows, StagedLayout, StagedParams, dtype_name
+from zbjax.params import (
+    LeafSlot,
+    PackedRows,
+    StagedLayout,
+    StagedParams,
+    dtype_name,
+    per_device,
+)
 
 
 @dataclass(frozen=True)
@@ -244,14 +251,6 @@ def state_layout(
     return StateLayout(dtypes, row_size, tuple(d for _, d in flat), tuple(placed))
 
 
-def _per_device(axis: str, num_devices: int, branch: Callable[[int], Callable], *operands):
-    """Runs ``branch(d)`` on the operands on pipeline device ``d`` (inside ``shard_map``)."""
-    if num_devices == 1:
-        return branch(0)(*operands)
-    index = jax.lax.axis_index(axis)
-    return jax.lax.switch(index, [branch(d) for d in range(num_devices)], *operands)
-
-
 def per_leaf(
     tx: Any, *, layout: Callable[[], tuple[StagedLayout, Any]], mesh: Any, axis: str
 ) -> Any:
@@ -329,7 +328,7 @@ def per_leaf(
                 return on_device
 
             local = [r[0] for r in param_rows]
-            out = _per_device(axis, staged_layout.num_devices, branch, local)
+            out = per_device(axis, staged_layout.num_devices, branch, local)
             return ([r[None] for r in out],)
 
         (rows,) = run(body, (list(params.rows),), (len(states.dtypes),))
@@ -374,7 +373,7 @@ def per_leaf(
                 return on_device
 
             local = [[r[0] for r in rows] for rows in (grad_rows, state_rows, param_rows)]
-            new, new_state = _per_device(axis, staged_layout.num_devices, branch, *local)
+            new, new_state = per_device(axis, staged_layout.num_devices, branch, *local)
             return [r[None] for r in new], [r[None] for r in new_state]
 
         param_rows = list(params.rows) if with_params else list(updates.rows)

@@ -367,11 +367,18 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
         return branch
 
     # The slots differ by device, so each device runs its own static code (one branch each).
-    index = jax.lax.axis_index(axis)
-    devices = range(layout.num_devices)
-    mine = jax.lax.switch(index, [gather(d) for d in devices], list(rows))
+    mine = per_device(axis, layout.num_devices, gather, list(rows))
     totals = [jax.lax.psum(x, axis) for x in mine]
-    return jax.lax.switch(index, [scatter(d) for d in devices], list(rows), totals)
+    return per_device(axis, layout.num_devices, scatter, list(rows), totals)
+
+
+def per_device(axis: str, num_devices: int, branch, *operands):
+    """Returns ``branch(d)(*operands)`` on pipeline device ``d`` of ``axis``: each device runs
+    its own static code, one ``lax.switch`` branch per device (inside ``shard_map``)."""
+    if num_devices == 1:
+        return branch(0)(*operands)
+    index = jax.lax.axis_index(axis)
+    return jax.lax.switch(index, [branch(d) for d in range(num_devices)], *operands)
 
 
 def extra_copies(layout: StagedLayout) -> list[tuple[int, LeafSlot, int, int]]:
