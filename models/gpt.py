@@ -240,6 +240,38 @@ def init_params(key: jax.Array, cfg: GPTConfig) -> Params:
     return _init_params(key, weights_config(cfg))
 
 
+# Megatron-style tensor parallelism: column-parallel input projections (their kernels split
+# along the output features, biases too), row-parallel output projections (kernels split along
+# the input features), the token embedding split over the vocabulary; the rest replicated.
+_TENSOR_SPLIT = {
+    ("qkv", "kernel"): 1,
+    ("qkv", "bias"): 0,
+    ("mlp_fc", "kernel"): 1,
+    ("mlp_fc", "bias"): 0,
+    ("attn_proj", "kernel"): 0,
+    ("mlp_proj", "kernel"): 0,
+    ("token", "embedding"): 0,
+}
+
+
+def tensor_parallel_specs(params: Params, axis: str = "tp") -> Any:
+    """Returns a ``PartitionSpec`` per GPT param (this module's, ``gpt_nnx``'s pure dict or
+    ``gpt_scan``'s stacked layers) splitting it Megatron-style over mesh ``axis``, for
+    ``zbjax.pipeline(param_specs=...)``: None for a replicated one."""
+
+    def spec(path: tuple, leaf: Any) -> Any:
+        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        dim = _TENSOR_SPLIT.get(names[-2:])
+        if dim is None:
+            return None
+        # gpt_scan stacks the layers' params along a leading axis: shift the split past it.
+        base = 1 if names[-1] == "bias" else 2
+        dim += jnp.ndim(leaf) - base
+        return jax.sharding.PartitionSpec(*([None] * dim), axis)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def make_loss_fn(cfg: GPTConfig) -> LossFn:
     """Returns loss_fn(params, batch, key=None) -> mean next-token cross-entropy (float32)."""
     model = GPT(cfg, deterministic=cfg.dropout_rate == 0.0)

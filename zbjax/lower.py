@@ -44,7 +44,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax._jax_compat import (
-    add_rows,
     eval_jaxpr_here,
     place_for_shard_map,
     set_rows,
@@ -59,6 +58,7 @@ from zbjax.params import (
     staged_layout,
     sum_shared_gradients,
     unpack_stage_params,
+    write_slots,
 )
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import forwarded_residuals, forwarded_stash
@@ -320,8 +320,10 @@ class Lowering:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """Returns the mesh axes other than the pipeline axis: data parallel, rows split."""
-        return tuple(a for a in self.mesh.axis_names if a != self.axis_name)
+        """Returns the mesh axes other than the pipeline and tensor axes: data parallel, rows
+        split."""
+        skip = (self.axis_name, self.layout.tensor_axis)
+        return tuple(a for a in self.mesh.axis_names if a not in skip)
 
     @property
     def pool_spec(self) -> PartitionSpec:
@@ -392,8 +394,13 @@ def lower(
     mesh: Any,
     axis_name: str,
     costs: Costs | None = None,
+    tensor: tuple[str, int, Sequence[int | None]] | None = None,
 ) -> Lowering:
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
+
+    ``tensor`` (tensor-parallel axis, its size, per param leaf the dimension it splits or None)
+    lays the staged params out split over that axis (``params.staged_layout``); the axis is
+    left to the compiler inside the ``shard_map``, which partitions each stage's equations.
 
     With ``costs`` (per-stage F/B/W times, any unit), devices that finish a tick's action early
     also run the next actions that fit in the rest of the tick, or the ticks are laid out
@@ -432,6 +439,7 @@ def lower(
         schedule.placement,
         schedule.num_devices,
         [stage.param_slices() for stage in graph.stages],
+        tensor,
     )
     edge_avals = [v for e in graph.edges for v in e.values]
     message_dtypes = _union_dtypes(edge_avals)
@@ -891,20 +899,19 @@ def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_ct
     and added with one in-place slice update: one operation per dtype instead of one per leaf
     (on CPU, 16 small updates cost about 7x one packed update).
     """
-    pieces: list[list] = [[] for _ in layout.dtypes]
-    start = [None] * len(layout.dtypes)
+    slots: list[list] = [[] for _ in layout.dtypes]
+    values: list[list] = [[] for _ in layout.dtypes]
     for slot, ct in zip(layout.stage_slots[stage_index], param_cts, strict=True):
         k = layout.dtype_index(slot.dtype)
-        if start[k] is None:
-            start[k] = slot.offset
         # Integer params have float0 cotangents; their gradient stays zero.
         if ct.dtype == jax.dtypes.float0 or not jnp.issubdtype(slot.dtype, jnp.inexact):
-            ct = jnp.zeros(slot.shape, slot.dtype)
-        pieces[k].append(jnp.ravel(ct).astype(slot.dtype))
-    for k, parts in enumerate(pieces):
-        if parts:
-            vector = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-            grads[k] = add_rows(grads[k], start[k], vector)
+            ct = jnp.zeros(layout.copy_shape(slot), slot.dtype)
+        slots[k].append(slot)
+        values[k].append(ct)
+    for k, (these, cts) in enumerate(zip(slots, values, strict=True)):
+        if these:
+            start = these[0].offset
+            grads[k] = write_slots(layout, grads[k], start, these, cts, add=True)
 
 
 def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
@@ -1129,9 +1136,11 @@ def _run(
             [PartitionSpec(axis)] * len(staged.rows),
             [low.pool_spec] * len(pools or ()),
         ),
-        # Manual over every mesh axis: the other axes are data parallel, done by hand. Left to
-        # the compiler, they put collectives inside the conditional branches, which only the
-        # devices of one pipeline stage take; on XLA:CPU those collectives deadlock.
+        # Manual over the pipeline and data axes: the data axes are done by hand. Left to the
+        # compiler, they put collectives inside the conditional branches, which only the
+        # devices of one pipeline stage take; on XLA:CPU those collectives deadlocked. The
+        # tensor axis, if any, is the compiler's: it partitions each stage's equations, with
+        # collectives among the devices of one stage, which all take the same branch.
         axis_names={axis, *data_axes},
         # The stage jaxprs were traced outside the shard_map, so their equations carry no
         # varying-axis annotations; evaluating them under vma checking would reject every

@@ -16,6 +16,15 @@ A stage that reads only some rows of a leaf's leading axis (``Stage.param_rows``
 a stacked scan parameter that its share of the scan's iterations use) stores only those rows, so
 a pipeline over an ``nn.scan`` model holds each layer's weights on one device. Rows no stage
 reads are kept at the end of row 0, like unread leaves.
+
+With a tensor-parallel axis of size T (``zbjax.pipeline(param_specs=...)``), a device's row is
+T blocks of ``row_size`` elements, block t on tensor shard t: a leaf split over the axis along
+one dimension stores its t-th part in block t (the slot's ``shape`` is that part's), a leaf the
+specs leave replicated stores the whole leaf in every block. Rows are ``[num_devices, T *
+row_size]`` arrays sharded over the pipeline axis and the tensor axis, so each device holds
+``row_size`` elements per dtype; inside the pipeline's ``shard_map`` (manual over the pipeline
+and data axes, the tensor axis left to the compiler) slots are read and written by a nested
+``shard_map`` over the tensor axis, so that each leaf arrives split as its spec says.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from zbjax._jax_compat import add_rows, set_rows
+from zbjax._jax_compat import add_rows, set_rows, shard_map
 from zbjax.stages import leading_rows
 
 
@@ -71,6 +81,33 @@ class StagedLayout:
     num_devices: int
     unread_slots: tuple[LeafSlot, ...]  # on device 0
     param_avals: tuple[jax.ShapeDtypeStruct, ...]
+    #: The tensor-parallel mesh axis (None: none), its size T, and per leaf the dimension it
+    #: splits (None: the leaf is replicated over it).
+    tensor_axis: str | None = None
+    tensor_size: int = 1
+    leaf_split: tuple[int | None, ...] = ()
+
+    def split_of(self, slot: LeafSlot) -> int | None:
+        """Returns the dimension of ``slot``'s leaf split over the tensor axis (None: none)."""
+        return self.leaf_split[slot.leaf] if self.leaf_split else None
+
+    def slot_spec(self, slot: LeafSlot) -> PartitionSpec:
+        """Returns how ``slot``'s leaf lies over the tensor axis (for the nested shard_map)."""
+        split = self.split_of(slot)
+        if split is None:
+            return PartitionSpec()
+        return PartitionSpec(*([None] * split), self.tensor_axis)
+
+    def copy_shape(self, slot: LeafSlot) -> tuple[int, ...]:
+        """Returns the shape of the copy ``slot`` holds (its leaf, or rows of it), all parts."""
+        split = self.split_of(slot)
+        if split is None:
+            return slot.shape
+        return tuple(n * self.tensor_size if i == split else n for i, n in enumerate(slot.shape))
+
+    def row_width(self, k: int) -> int:
+        """Returns the length of dtype ``dtypes[k]``'s rows: ``tensor_size`` blocks."""
+        return self.tensor_size * self.row_size[k]
 
     def dtype_index(self, dtype: str) -> int:
         """Returns the position of ``dtype`` in ``dtypes``."""
@@ -92,10 +129,21 @@ class StagedLayout:
 
 
 def _slot(
-    leaf: int, aval: jax.ShapeDtypeStruct, rows: tuple[int, int] | None, dtypes, fill: list[int]
+    leaf: int,
+    aval: jax.ShapeDtypeStruct,
+    rows: tuple[int, int] | None,
+    dtypes,
+    fill: list[int],
+    split: tuple[int | None, int] = (None, 1),
 ) -> LeafSlot:
-    """Returns a slot for ``rows`` of ``leaf`` at the end of a device row; advances ``fill``."""
-    shape = tuple(aval.shape) if rows is None else (rows[1] - rows[0], *aval.shape[1:])
+    """Returns a slot for ``rows`` of ``leaf`` at the end of a device row; advances ``fill``.
+
+    ``split`` is (the dimension the tensor axis splits, the axis size): the slot holds one part.
+    """
+    shape = list(aval.shape) if rows is None else [rows[1] - rows[0], *aval.shape[1:]]
+    if split[0] is not None:
+        shape[split[0]] //= split[1]
+    shape = tuple(shape)
     k = dtypes.index(dtype_name(aval.dtype))
     size = int(np.prod(shape, dtype=np.int64))
     slot = LeafSlot(leaf, dtypes[k], fill[k], size, shape, rows)
@@ -127,13 +175,21 @@ def staged_layout(
     placement: Sequence[int],
     num_devices: int,
     stage_param_rows: Sequence[Sequence[tuple[int, int] | None]] | None = None,
+    tensor: tuple[str, int, Sequence[int | None]] | None = None,
 ) -> StagedLayout:
     """Returns the row layout for stages reading ``stage_param_leaves`` placed on devices.
 
     ``stage_param_rows[s][j]`` (default: all None) is the row range of leaf
     ``stage_param_leaves[s][j]`` that stage ``s`` reads (``Stage.param_rows``), None for all.
+    ``tensor`` is (tensor-parallel axis, its size, per leaf the dimension it splits or None).
     """
     param_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in param_avals)
+    axis, size, leaf_split = tensor if tensor is not None else (None, 1, ())
+    leaf_split = tuple(leaf_split)
+
+    def split(leaf: int) -> tuple[int | None, int]:
+        return (leaf_split[leaf] if leaf_split else None, size)
+
     if stage_param_rows is None:
         stage_param_rows = [[None] * len(leaves) for leaves in stage_param_leaves]
     dtypes = tuple(sorted({dtype_name(a.dtype) for a in param_avals}))
@@ -147,14 +203,14 @@ def staged_layout(
         start = list(row)
         slots = []
         for leaf, leaf_rows in zip(leaves, rows, strict=True):
-            slots.append(_slot(leaf, param_avals[leaf], leaf_rows, dtypes, row))
+            slots.append(_slot(leaf, param_avals[leaf], leaf_rows, dtypes, row, split(leaf)))
             reads.setdefault(leaf, []).append(leaf_rows)
         for k in range(len(dtypes)):
             capacity[k] = max(capacity[k], row[k] - start[k])
         stage_offset.append(tuple(start))
         stage_slots.append(tuple(slots))
     unread = [
-        _slot(leaf, aval, rows, dtypes, fill[0])
+        _slot(leaf, aval, rows, dtypes, fill[0], split(leaf))
         for leaf, aval in enumerate(param_avals)
         for rows in _unread_rows(aval.shape[0] if aval.shape else 1, reads.get(leaf, []))
     ]
@@ -172,6 +228,9 @@ def staged_layout(
         num_devices=num_devices,
         unread_slots=tuple(unread),
         param_avals=param_avals,
+        tensor_axis=axis,
+        tensor_size=size,
+        leaf_split=leaf_split,
     )
 
 
@@ -204,23 +263,48 @@ class StagedParams(PackedRows):
     array of dtype ``dtypes[k]``; row ``d`` packs device ``d``'s parameter leaves."""
 
 
+def _tensor_parts(layout: StagedLayout, slot: LeafSlot, value: jax.Array) -> list[jax.Array]:
+    """Returns the ``tensor_size`` parts of a copy's ``value`` that the blocks of a row hold:
+    its slices along the split dimension, or the whole value in every block."""
+    split = layout.split_of(slot)
+    if split is None:
+        return [value] * layout.tensor_size
+    return jnp.split(value, layout.tensor_size, axis=split)
+
+
+def _join_parts(layout: StagedLayout, slot: LeafSlot, parts: Sequence[jax.Array]) -> jax.Array:
+    """Returns a copy's value from its blocks' parts (the inverse of ``_tensor_parts``)."""
+    split = layout.split_of(slot)
+    if split is None or len(parts) == 1:
+        return parts[0]
+    return jnp.concatenate(parts, axis=split)
+
+
 def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedParams:
     """Returns the staged layout of the flat param ``leaves`` (works under ``jax.jit``)."""
-    pieces: list[list[list]] = [[[] for _ in range(layout.num_devices)] for _ in layout.dtypes]
+    T = layout.tensor_size
+    # pieces[k][device][block]: the flat values of that block, in row order.
+    pieces: list = [
+        [[[] for _ in range(T)] for _ in range(layout.num_devices)] for _ in layout.dtypes
+    ]
     fill = [[0] * len(layout.dtypes) for _ in range(layout.num_devices)]
     for device, slot in sorted(layout.copies(), key=lambda c: (c[0], c[1].offset)):
         k = layout.dtype_index(slot.dtype)
-        if slot.offset > fill[device][k]:
-            pieces[k][device].append(jnp.zeros(slot.offset - fill[device][k], slot.dtype))
-        value = leading_rows(leaves[slot.leaf], slot.rows)
-        pieces[k][device].append(jnp.ravel(jnp.asarray(value, slot.dtype)))
+        gap = slot.offset - fill[device][k]
+        value = jnp.asarray(leading_rows(leaves[slot.leaf], slot.rows), slot.dtype)
+        for block, part in zip(pieces[k][device], _tensor_parts(layout, slot, value), strict=True):
+            if gap > 0:
+                block.append(jnp.zeros(gap, slot.dtype))
+            block.append(jnp.ravel(part))
         fill[device][k] = slot.offset + slot.size
     rows = []
     for k, dt in enumerate(layout.dtypes):
         device_rows = []
         for d in range(layout.num_devices):
             pad = layout.row_size[k] - fill[d][k]
-            parts = pieces[k][d] + ([jnp.zeros(pad, dt)] if pad else [])
+            parts = [
+                p for block in pieces[k][d] for p in block + ([jnp.zeros(pad, dt)] if pad else [])
+            ]
             device_rows.append(jnp.concatenate(parts) if parts else jnp.zeros(0, dt))
         rows.append(jnp.stack(device_rows))
     return StagedParams(rows, layout.dtypes)
@@ -228,13 +312,72 @@ def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedPar
 
 def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, slot: LeafSlot):
     k = layout.dtype_index(slot.dtype)
-    return rows[k][device, slot.offset : slot.offset + slot.size].reshape(slot.shape)
+    row = rows[k][device]
+    if layout.tensor_size == 1:
+        return row[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+    blocks = row.reshape(layout.tensor_size, layout.row_size[k])
+    parts = [b[slot.offset : slot.offset + slot.size].reshape(slot.shape) for b in blocks]
+    return _join_parts(layout, slot, parts)
 
 
-def _local_slot_value(local_rows: Sequence[jax.Array], layout: StagedLayout, slot: LeafSlot):
-    """Returns the value ``slot`` holds in one device's rows."""
-    row = local_rows[layout.dtype_index(slot.dtype)]
-    return row[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+def _tensor_manual(layout: StagedLayout, fn, in_specs, out_specs):
+    """Returns ``fn`` run per tensor shard (a ``shard_map`` manual over the tensor axis, inside
+    the pipeline's): a row comes in as its own block, a leaf as its part."""
+    return shard_map(
+        fn,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={layout.tensor_axis},
+        # A replicated leaf's copies in the blocks are equal; the specs say so unchecked.
+        check_vma=False,
+    )
+
+
+def read_slots(
+    layout: StagedLayout, local_rows: Sequence[jax.Array], slots: Sequence[LeafSlot]
+) -> list[jax.Array]:
+    """Returns the values ``slots`` hold in one device's rows (inside the pipeline's
+    ``shard_map``); over a tensor axis each comes out split as its leaf's spec says."""
+
+    def read(rows):
+        out = []
+        for slot in slots:
+            row = rows[layout.dtype_index(slot.dtype)]
+            out.append(row[slot.offset : slot.offset + slot.size].reshape(slot.shape))
+        return out
+
+    if layout.tensor_size == 1 or not slots:
+        return read(local_rows)
+    row_spec = PartitionSpec(layout.tensor_axis)
+    return _tensor_manual(
+        layout, read, ([row_spec] * len(local_rows),), [layout.slot_spec(s) for s in slots]
+    )(list(local_rows))
+
+
+def write_slots(
+    layout: StagedLayout,
+    row: jax.Array,
+    start: int,
+    slots: Sequence[LeafSlot],
+    values: Sequence[jax.Array],
+    *,
+    add: bool,
+) -> jax.Array:
+    """Returns one device's ``row`` (of one dtype) with ``values``, the leaves of ``slots``
+    that lie back to back from ``start``, written (``add``: added) there as one vector
+    (inside the pipeline's ``shard_map``; over a tensor axis each block gets its parts)."""
+
+    def write(row, values):
+        vector = [jnp.ravel(v).astype(row.dtype) for v in values]
+        vector = jnp.concatenate(vector) if len(vector) > 1 else vector[0]
+        return add_rows(row, start, vector) if add else set_rows(row, start, vector)
+
+    if layout.tensor_size == 1:
+        return write(row, values)
+    row_spec = PartitionSpec(layout.tensor_axis)
+    specs = [layout.slot_spec(s) for s in slots]
+    return _tensor_manual(layout, write, (row_spec, specs), row_spec)(row, list(values))
 
 
 def _copies_by_leaf(layout: StagedLayout) -> list[list[tuple[int, LeafSlot]]]:
@@ -340,17 +483,13 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
 
     def gather(device: int):
         def branch(rows):
-            return [
-                _sum_copies(
-                    layout.param_avals[copies[0][1].leaf],
-                    [
-                        (slot, _local_slot_value(rows, layout, slot))
-                        for d, slot in copies
-                        if d == device
-                    ],
-                )
-                for copies in groups
-            ]
+            out = []
+            for copies in groups:
+                slots = [slot for d, slot in copies if d == device]
+                values = read_slots(layout, rows, slots)
+                aval = layout.param_avals[copies[0][1].leaf]
+                out.append(_sum_copies(aval, list(zip(slots, values, strict=True))))
+            return out
 
         return branch
 
@@ -360,8 +499,8 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
             for copies, total in zip(groups, totals, strict=True):
                 for _, slot in (c for c in copies if c[0] == device):
                     k = layout.dtype_index(slot.dtype)
-                    value = jnp.ravel(leading_rows(total, slot.rows)).astype(slot.dtype)
-                    rows[k] = set_rows(rows[k], slot.offset, value)
+                    value = leading_rows(total, slot.rows)
+                    rows[k] = write_slots(layout, rows[k], slot.offset, [slot], [value], add=False)
             return rows
 
         return branch
@@ -397,25 +536,45 @@ def extra_copies(layout: StagedLayout) -> list[tuple[int, LeafSlot, int, int]]:
     return extras
 
 
+def _norm_extras(layout: StagedLayout) -> list[tuple[int, LeafSlot, int, int]]:
+    """Returns (device, slot, first, end) element ranges of the rows (``row_width`` long)
+    whose elements another range also holds: the ``extra_copies``, in every block of a split
+    leaf and in block 0 of a replicated one, and the blocks after the first of every copy of a
+    leaf replicated over the tensor axis (each block holds all of it)."""
+    T = layout.tensor_size
+    out = []
+    for device, slot, begin, end in extra_copies(layout):
+        row_elems = slot.size // slot.shape[0] if slot.shape else slot.size
+        lo = slot.offset + begin * row_elems if slot.shape else slot.offset
+        hi = slot.offset + end * row_elems if slot.shape else slot.offset + slot.size
+        R = layout.row_size[layout.dtype_index(slot.dtype)]
+        blocks = range(T) if layout.split_of(slot) is not None else range(1)
+        out += [(device, slot, b * R + lo, b * R + hi) for b in blocks]
+    for device, slot in layout.copies() if T > 1 else ():
+        if layout.split_of(slot) is None:
+            R = layout.row_size[layout.dtype_index(slot.dtype)]
+            start = slot.offset
+            out += [(device, slot, b * R + start, b * R + start + slot.size) for b in range(1, T)]
+    return out
+
+
 def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     """Returns the L2 norm of the params (or grads) in ``staged``, each element counted once:
     equal to ``optax.tree.norm`` of the user-layout tree (works under ``jax.jit``).
 
-    The norm of every row less that of the ``extra_copies``; row padding holds zeros, as
-    ``stage_leaves`` and the step's gradients leave it, so it adds nothing.
+    The norm of every row less that of the ``extra_copies`` (and, over a tensor axis, of the
+    blocks' copies of replicated leaves); row padding holds zeros, as ``stage_leaves`` and the
+    step's gradients leave it, so it adds nothing.
     """
     total = sum(
         jnp.sum(jnp.square(row.astype(jnp.float32)))
         for row in staged.rows
         if jnp.issubdtype(row.dtype, jnp.inexact)
     )
-    for device, slot, begin, end in extra_copies(layout):
+    for device, slot, lo, hi in _norm_extras(layout):
         if jnp.issubdtype(jnp.dtype(slot.dtype), jnp.inexact):
             # Sliced along the row only, then picked out by a one-hot sum over devices: rows
             # sharded over the devices (explicitly so, too) can be reduced over, not sliced.
-            row_elems = slot.size // slot.shape[0] if slot.shape else slot.size
-            lo = slot.offset + begin * row_elems if slot.shape else slot.offset
-            hi = slot.offset + end * row_elems if slot.shape else slot.offset + slot.size
             part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi].astype(jnp.float32)
             squares = jnp.sum(jnp.square(part), axis=1)
             total = total - jnp.sum(squares * np.eye(layout.num_devices, dtype=np.float32)[device])
@@ -426,7 +585,7 @@ def unpack_stage_params(
     layout: StagedLayout, stage: int, local_rows: Sequence[jax.Array]
 ) -> list[jax.Array]:
     """Returns stage ``stage``'s param leaves (``param_leaves`` order) from its device's rows."""
-    return [_local_slot_value(local_rows, layout, slot) for slot in layout.stage_slots[stage]]
+    return read_slots(layout, local_rows, layout.stage_slots[stage])
 
 
 def pack_stage_gradients(

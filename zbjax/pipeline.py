@@ -73,6 +73,7 @@ from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
+from zbjax.tensor import check_row_splits, leaf_splits, tensor_axis
 from zbjax.trace import ActionTimes, action_times
 
 #: Schedules that put two stages on every device.
@@ -155,6 +156,7 @@ class Pipeline:
         keep_buffers: bool | None = None,
         pack_ticks: bool | None = None,
         has_aux: bool = False,
+        param_specs: Any = None,
     ):
         if axis_name not in mesh.axis_names:
             raise PipelineError(
@@ -192,7 +194,9 @@ class Pipeline:
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_devices = int(mesh.shape[axis_name])
-        self.data_axes = tuple(a for a in mesh.axis_names if a != axis_name)
+        self.param_specs = param_specs
+        self.tensor_axis = tensor_axis(param_specs, mesh, axis_name)
+        self.data_axes = tuple(a for a in mesh.axis_names if a not in (axis_name, self.tensor_axis))
         self.data_parallel_size = math.prod(int(mesh.shape[a]) for a in self.data_axes)
         self.schedule_spec = schedule
         self.num_microbatches = num_microbatches
@@ -435,8 +439,13 @@ class Pipeline:
         built = self._require_built("stage")
         leaves = self._check_params(params)
         staged = stage_leaves(built.lowering.layout, leaves)
-        sharding = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+        sharding = NamedSharding(self.mesh, self._rows_spec())
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
+
+    def _rows_spec(self) -> PartitionSpec:
+        """Returns how staged rows lie on the mesh: row d on pipeline device d, and over a
+        tensor axis each device holding its block."""
+        return PartitionSpec(self.axis_name, self.tensor_axis)
 
     def unstage(self, staged: StagedParams) -> Any:
         """Returns the user-layout params (or, for grads, use ``value_and_grad``) of ``staged``."""
@@ -493,6 +502,14 @@ class Pipeline:
         transformation outside: ``optax.chain(pipe.clip_by_global_norm(1.0),
         pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``.
         """
+
+        if self.tensor_axis is not None:
+            raise PipelineError(
+                f"pipe.per_leaf does not yet handle params split over the tensor axis "
+                f"{self.tensor_axis!r} (param_specs); use an element-wise optimizer on the "
+                "staged params (optax.adamw(lr) without a mask, adam, sgd, lion), which gives "
+                "the same result there, or optimize the unstaged params"
+            )
 
         def layout():
             return self._require_built("per_leaf").lowering.layout, self._params_treedef
@@ -610,7 +627,7 @@ class Pipeline:
 
     def _check_staged(self, staged: StagedParams, built: _Built) -> None:
         layout = built.lowering.layout
-        want = [(layout.num_devices, n) for n in layout.row_size]
+        want = [(layout.num_devices, layout.row_width(k)) for k in range(len(layout.dtypes))]
         got = [tuple(np.shape(r)) for r in staged.rows]
         if tuple(staged.dtypes) != layout.dtypes or got != want:
             raise PipelineError(
@@ -671,12 +688,26 @@ class Pipeline:
         return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
     def _build(self, params_avals: Any, micro: Any, key_aval: Any) -> _Built:
+        tensor = None
+        if self.param_specs is not None:  # checked against the params even if none is split
+            axis = self.tensor_axis
+            size = int(self.mesh.shape[axis]) if axis is not None else 1
+            splits = leaf_splits(self.param_specs, params_avals, axis, size)
+            tensor = (axis, size, splits) if axis is not None else None
         kind, parted = self._partition(params_avals, micro, key_aval)
         graph = parted.graph
+        if tensor is not None:
+            paths = jax.tree_util.tree_leaves_with_path(params_avals)
+            paths = [jax.tree_util.keystr(p) for p, _ in paths]
+            check_row_splits(
+                tensor[2],
+                [list(zip(s.param_leaves, s.param_slices(), strict=True)) for s in graph.stages],
+                lambda leaf: paths[leaf],
+            )
         programs = split(graph)
         schedule = self._schedule(graph, programs, parted.placement, kind)
         costs = (self.costs or _program_costs(programs)) if self.pack_ticks else None
-        lowering = lower(graph, programs, schedule, self.mesh, self.axis_name, costs)
+        lowering = lower(graph, programs, schedule, self.mesh, self.axis_name, costs, tensor)
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
         step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
 
@@ -891,6 +922,10 @@ class Pipeline:
         def step(params, batch, key, pools):
             staged_input = isinstance(params, StagedParams)
             staged = params if staged_input else stage_leaves(low.layout, jax.tree.leaves(params))
+            if self.tensor_axis is not None and not staged_input:
+                # Each device builds only its blocks of the rows it holds.
+                where = NamedSharding(self.mesh, self._rows_spec())
+                staged = jax.tree.map(lambda r: jax.lax.with_sharding_constraint(r, where), staged)
             stacked = split_microbatches(batch, m)
             if with_key:
                 stacked = (stacked, microbatch_keys(key, m))
@@ -974,6 +1009,7 @@ def pipeline(
     keep_buffers: bool | None = None,
     pack_ticks: bool | None = None,
     has_aux: bool = False,
+    param_specs: Any = None,
 ) -> Pipeline:
     """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
 
@@ -981,6 +1017,13 @@ def pipeline(
     say); ``value_and_grad`` then returns ``((loss, aux), grads)``, each aux leaf the mean of
     its per-microbatch values, as the loss is. Aux is computed where ``loss_fn`` computes it
     and carried to the last stage.
+
+    ``param_specs``: tensor parallelism inside each stage. A ``PartitionSpec`` per param leaf
+    (a pytree matching the params, or a prefix of it; None for a replicated leaf) naming one
+    mesh axis, the tensor-parallel axis, which must be an Auto axis: e.g. ``P(None, "tp")`` for
+    a column-parallel kernel, ``P("tp", None)`` for a row-parallel one. Each leaf is stored
+    split as its spec says (``pipe.stage`` places each device's part on it) and XLA partitions
+    each stage's equations over the axis. The other non-pipeline axes stay data parallel.
 
     ``schedule`` is a name (``zbjax.schedules.SCHEDULE_NAMES`` or, for graph pipelines,
     ``DAG_SCHEDULE_NAMES``: ``"dag-1f1b"``, ``"dag-zb"``) or a prebuilt ``Schedule``;
@@ -1045,4 +1088,5 @@ def pipeline(
         keep_buffers=keep_buffers,
         pack_ticks=pack_ticks,
         has_aux=has_aux,
+        param_specs=param_specs,
     )
