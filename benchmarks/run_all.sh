@@ -22,6 +22,7 @@ run benchmarks/stash_reads.py
 run benchmarks/memory.py
 run benchmarks/compile_time.py
 run benchmarks/optimizer.py
+run benchmarks/tensor_parallel.py
 run benchmarks/step_time.py
 run benchmarks/buffers.py
 run benchmarks/in_context.py

@@ -29,6 +29,7 @@ import overlap  # noqa: E402
 import slot_writes  # noqa: E402
 import stash_reads  # noqa: E402
 import step_time  # noqa: E402
+import tensor_parallel  # noqa: E402
 
 from models import gpt  # noqa: E402
 from zbjax import schedules  # noqa: E402
@@ -269,6 +270,16 @@ def test_optimizer_benchmark_times_every_variant_against_adamw_on_the_rows():
     assert rows[0].variant == optimizer.BASELINE and rows[0].ratio == 1.0
     text = optimizer.section(rows, 2, ("before", "after"), 1.0)
     assert text.count("| tiny GPT |") == 4 and "Slowest per_leaf update" in text
+
+
+def test_tensor_parallel_benchmark_halves_params_per_device_and_matches_value_and_grad():
+    tiny = gpt.GPTConfig(num_layers=2, d_model=16, seq_len=8, vocab_size=32)
+    rows = tensor_parallel.measure(1, tiny, 8, ((2, 2, 1), (2, 1, 2)))
+    assert [r.mesh for r in rows] == ["pp 2 x dp 2", "pp 2 x dp 1 x tp 2"]
+    assert rows[1].param_bytes < 0.8 * rows[0].param_bytes
+    assert all(r.grad_diff < 1e-5 and r.step_ms > 0 for r in rows) and rows[0].ratio == 1.0
+    text = tensor_parallel.section(rows, 1, ("before", "after"), 1.0)
+    assert "| pp 2 x dp 1 x tp 2 |" in text
 
 
 def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_section():

@@ -311,10 +311,10 @@ def _warn_model_sharding(
             f"loss_fn shards model dimensions over mesh axes {tuple(axes)} "
             "(with_sharding_constraint, reshard or out_sharding); zbjax drops these "
             "annotations, which changes no value: inside the pipeline every mesh axis but the "
-            "pipeline axis is data parallel, splitting each microbatch's rows, and each device "
-            "holds its stages' whole parameters (tensor parallelism inside a stage is not "
-            "supported yet). Remove the annotations, or build the mesh without those axes, to "
-            "silence this warning",
+            "pipeline axis (and the param_specs tensor axis) is data parallel, splitting each "
+            "microbatch's rows. For tensor parallelism inside each stage, pass "
+            "zbjax.pipeline(..., param_specs=...) with a PartitionSpec per param leaf. Remove "
+            "the annotations, or build the mesh without those axes, to silence this warning",
             stacklevel=_caller_stacklevel(),
         )
 

@@ -1,0 +1,185 @@
+"""What does splitting each stage over a tensor axis save per device, and what does it cost?
+
+The reference GPT pipelined (zb-h1, 2 pp devices, m = 4) over the 8 fake CPU devices, the
+other factor of 4 spent on data parallelism (pp 2 x dp 4), on both (pp 2 x dp 2 x tp 2) or on
+tensor parallelism (pp 2 x tp 4, ``zbjax.pipeline(param_specs=gpt.tensor_parallel_specs(...))``,
+Megatron-style). Per device, from the compiled step's ``memory_analysis()``: the staged param
+bytes and the temp bytes (slot pools, activations); from its HLO, the collectives; the
+compile time, the step time (median over alternating rounds, ratio to pp x dp in the same
+round) and the largest gradient difference from ``jax.value_and_grad`` of the unpipelined
+loss. Writes the section "tensor_parallel" of ``benchmarks/RESULTS.md``.
+
+Fake CPU devices share the machine's cores, so the step times say what XLA:CPU does with the
+collectives, not what a GPU mesh would gain; the memory columns carry over.
+
+Run: ``python benchmarks/tensor_parallel.py [--rounds N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_section
+from bw_split import machine_load
+
+from models import gpt
+from zbjax.cpu import use_cpu_devices
+
+COMMAND = "python benchmarks/tensor_parallel.py"
+CFG = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=128, num_heads=4, num_layers=4)
+BATCH = 16
+MESHES = ((2, 4, 1), (2, 2, 2), (2, 1, 4))  # (pp, dp, tp)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclass(frozen=True)
+class Row:
+    mesh: str
+    param_bytes: int
+    temp_bytes: int
+    collectives: dict
+    compile_s: float
+    step_ms: float
+    ratio: float
+    grad_diff: float
+
+
+def _name(shape: tuple[int, int, int]) -> str:
+    pp, dp, tp = shape
+    return f"pp {pp} x dp {dp}" + (f" x tp {tp}" if tp > 1 else "")
+
+
+def _build(shape: tuple[int, int, int], cfg: gpt.GPTConfig, batch_size: int):
+    import zbjax
+
+    pp, dp, tp = shape
+    cfg = dataclasses.replace(cfg, stage_boundaries=gpt.balanced_boundaries(cfg, pp))
+    loss_fn = gpt.make_loss_fn(cfg)
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, batch_size)
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    mesh = jax.make_mesh(shape, ("pp", "dp", "tp"), axis_types=auto)
+    specs = gpt.tensor_parallel_specs(params) if tp > 1 else None
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4, param_specs=specs
+    )
+    staged = pipe.stage(params, batch)
+    step = jax.jit(pipe.value_and_grad)
+    start = time.perf_counter()
+    compiled = step.lower(staged, batch).compile()
+    compile_s = time.perf_counter() - start
+    _, grads = compiled(staged, batch)
+    _, want = jax.value_and_grad(loss_fn)(params, batch)
+    diff = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(pipe.unstage(grads)), jax.tree.leaves(want), strict=True)
+    )
+    hlo = compiled.as_text()
+    counts = {c: len(re.findall(rf"= [^=]*\b{c}\(", hlo)) for c in COLLECTIVES}
+    memory = compiled.memory_analysis()
+    run = (compiled, staged, batch)
+    info = (pipe.lowering.layout.bytes_per_device(), memory.temp_size_in_bytes, counts)
+    return run, info, compile_s, diff
+
+
+def measure(
+    rounds: int,
+    cfg: gpt.GPTConfig = CFG,
+    batch_size: int = BATCH,
+    meshes: Sequence[tuple[int, int, int]] = MESHES,
+) -> list[Row]:
+    built = {shape: _build(shape, cfg, batch_size) for shape in meshes}
+    times: dict = {shape: [] for shape in meshes}
+    order = list(meshes)
+    for r in range(rounds):
+        for shape in order[r % len(order) :] + order[: r % len(order)]:
+            fn, staged, batch = built[shape][0]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(staged, batch))
+            times[shape].append(time.perf_counter() - start)
+    base = times[meshes[0]]
+    rows = []
+    for shape in meshes:
+        _, (param_bytes, temp_bytes, counts), compile_s, diff = built[shape]
+        t = times[shape]
+        rows.append(
+            Row(
+                _name(shape),
+                param_bytes,
+                temp_bytes,
+                counts,
+                compile_s,
+                1e3 * statistics.median(t),
+                statistics.median(a / b for a, b in zip(t, base, strict=True)),
+                diff,
+            )
+        )
+    return rows
+
+
+def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: float) -> str:
+    c = CFG
+    lines = [
+        "## Tensor parallelism inside stages: pp x dp against pp x tp on 8 devices",
+        "",
+        f"Made by `{COMMAND} --rounds {rounds}` (jax {jax.__version__}, 8 fake CPU devices, "
+        f"{os.cpu_count()} cores). The reference GPT ({c.num_layers} blocks, d {c.d_model}, "
+        f"{c.num_heads} heads, vocab {c.vocab_size}, seq {c.seq_len}, batch {BATCH}), zb-h1 "
+        "over 2 pp devices, m = 4; tp splits it as `gpt.tensor_parallel_specs` says (each "
+        "MLP Megatron-style, its input projection column-parallel and output projection "
+        "row-parallel; the tied token embedding over the vocabulary; attention replicated). "
+        "*params* and *temp* are per device "
+        "(`memory_analysis()`); *collectives* counts each kind's ops in the compiled HLO; "
+        f"*step* is the median over {rounds} alternating rounds, *ratio* the median over "
+        "rounds of it over pp x dp in the same round; *grad diff* the largest difference "
+        "from `jax.value_and_grad` of the unpipelined loss.",
+        "",
+        "| mesh | params / device | temp / device | collectives | compile | step | ratio "
+        "| grad diff |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        kinds = ", ".join(f"{k} {n}" for k, n in r.collectives.items() if n) or "-"
+        lines.append(
+            f"| {r.mesh} | {r.param_bytes / 1024:.0f} KiB | {r.temp_bytes / 1024:.0f} KiB "
+            f"| {kinds} | {r.compile_s:.1f} s | {r.step_ms:.1f} ms | {r.ratio:.2f} "
+            f"| {r.grad_diff:.1e} |"
+        )
+    lines += [
+        "",
+        f"Load before / after: {load[0]} / {load[1]}; {seconds:.0f} s in all.",
+        "",
+        "The slot pools that keep residuals and W's stash between F, B and W are flat and "
+        "replicated over the tensor axis, so a residual that XLA splits over tp (the MLP's "
+        "hidden activations) is gathered into them (the all-gathers) and held whole on each "
+        "tp device: the temp column does not shrink with tp the way the params do.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    start, before = time.perf_counter(), machine_load()
+    rows = measure(args.rounds)
+    text = section(rows, args.rounds, (before, machine_load()), time.perf_counter() - start)
+    print(text)
+    write_section("tensor_parallel", text)
+
+
+if __name__ == "__main__":
+    use_cpu_devices(8)
+    main()
