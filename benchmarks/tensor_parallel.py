@@ -161,10 +161,12 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         "",
         f"Load before / after: {load[0]} / {load[1]}; {seconds:.0f} s in all.",
         "",
-        "The slot pools that keep residuals and W's stash between F, B and W are flat and "
-        "replicated over the tensor axis, so a residual that XLA splits over tp (the MLP's "
-        "hidden activations) is gathered into them (the all-gathers) and held whole on each "
-        "tp device: the temp column does not shrink with tp the way the params do.",
+        "Each device holds its part of each split param and of each activation a stage "
+        "computes split (the slot pools keep parts, `tensor.value_splits`); activations "
+        "computed whole (attention, LayerNorm, the residual stream) are held whole on each tp "
+        "device, over more rows per device as dp shrinks, so temp memory grows from pp x dp. "
+        "The collectives run on fake CPU devices sharing the cores, which is what the step "
+        "ratios measure.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -5,6 +5,9 @@ split over ``tp`` as its spec says and XLA partitions each stage's equations ove
 equal ``jax.value_and_grad`` of the unpipelined function for every schedule.
 """
 
+import dataclasses
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,14 +19,17 @@ from jax.sharding import PartitionSpec as P
 import zbjax
 from models import gpt, gpt_scan
 from zbjax.errors import PipelineError
+from zbjax.microbatch import reference_value_and_grad
 from zbjax.params import stage_leaves, staged_layout, unstage_gradients, unstage_leaves
+from zbjax.tensor import value_splits
 
 D, H, LAYERS = 16, 64, 4
 AUTO = (AxisType.Auto,) * 3
 
 
 def _mesh(pp=2, dp=2, tp=2, types=AUTO):
-    return jax.make_mesh((pp, dp, tp), ("pp", "dp", "tp"), axis_types=types)
+    devices = jax.devices()[: pp * dp * tp]
+    return jax.make_mesh((pp, dp, tp), ("pp", "dp", "tp"), axis_types=types, devices=devices)
 
 
 def _mlp():
@@ -229,8 +235,6 @@ def test_errors_name_the_problem():
         build({"layers": [None] * 3, "head": None}).value_and_grad(params, batch)
     with pytest.raises(PipelineError, match="more entries than the param has dimensions"):
         build(dict(specs, head=P(None, None, "tp"))).value_and_grad(params, batch)
-    with pytest.raises(PipelineError, match="per_leaf does not yet handle"):
-        build(specs).per_leaf(optax.adamw(1e-3))
 
 
 def test_scan_layers_split_along_their_stacked_axis_are_refused():
@@ -243,3 +247,175 @@ def test_scan_layers_split_along_their_stacked_axis_are_refused():
     )
     with pytest.raises(PipelineError, match="stacked layer parameter.*split it along another"):
         pipe.value_and_grad(params, gpt.make_batch(jax.random.key(1), cfg, 16))
+
+
+def test_split_activations_stay_split_in_the_slot_pools():
+    """The MLP's hidden activations come out of F split over tp (column-parallel w1); the slots
+    keep each device's part, so nothing is gathered and the pools hold half of them."""
+    params, specs, batch = _mlp()
+    loss_fn = _mlp_loss(2)
+    split = zbjax.pipeline(
+        loss_fn, mesh=_mesh(), schedule="zb-h1", num_microbatches=4, param_specs=specs
+    )
+    # The same rows per device without tp: pp 2 x dp 2 on 4 of the devices.
+    plain = zbjax.pipeline(loss_fn, mesh=_mesh(tp=1), schedule="zb-h1", num_microbatches=4)
+    staged = split.stage(params, batch)
+    plain.stage(params, batch)
+    hlo = jax.jit(split.value_and_grad).lower(staged, batch).compile().as_text()
+    assert "all-gather(" not in hlo
+    assert "all-reduce(" in hlo  # the row-parallel w2's partial sums
+    # Per device: the [rows, H] activations at half their size, the [rows, D] ones whole.
+    assert split.lowering.slot_pool_bytes() < 0.7 * plain.lowering.slot_pool_bytes()
+    pools = split.lowering.pool_avals()
+    assert all(a.shape[3] == 2 for a in pools)  # [pp, dp, slots, T, capacity]
+
+
+def _splits_of(fn, *args, in_splits, size=2):
+    closed = jax.make_jaxpr(fn)(*args)
+    return value_splits(closed, in_splits, size)
+
+
+def test_value_splits_follow_dimensions():
+    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 6))
+    # Column-parallel: the free dimension of w stays split; row-parallel contraction: whole.
+    assert _splits_of(lambda x, w: x @ w, x, w, in_splits=[None, 1]) == [1]
+    assert _splits_of(lambda x, w: x @ w, x, w, in_splits=[1, 0]) == [None]
+    # Element-wise with a whole operand stays split; reductions over other dimensions keep it.
+    assert _splits_of(lambda a, b: jnp.tanh(a) * b, w, w, in_splits=[1, None]) == [1]
+    assert _splits_of(lambda a: a.sum(0), w, in_splits=[1]) == [0]
+    assert _splits_of(lambda a: a.sum(1), w, in_splits=[1]) == [None]
+    assert _splits_of(lambda a: a.T, w, in_splits=[1]) == [0]
+    # A reshape keeps the split where it leads a dimension; 3 rows do not split over 2.
+    assert _splits_of(lambda a: a.reshape(2, 4, 6), w, in_splits=[0]) == [0]
+    assert _splits_of(lambda a: a.reshape(48), w, in_splits=[0]) == [0]
+    assert _splits_of(lambda a: a.reshape(8, 2, 3), w, in_splits=[1]) == [1]
+    assert _splits_of(lambda a: a.reshape(8, 3, 2), w, in_splits=[1]) == [None]
+    assert _splits_of(lambda a: a[None] + 1.0, w, in_splits=[1]) == [2]
+    # Through a jitted function; an operation without a rule gives a whole value.
+    assert _splits_of(jax.jit(lambda a: jnp.exp(a)), w, in_splits=[1]) == [1]
+    assert _splits_of(lambda a: jnp.cumsum(a, 0), w, in_splits=[1]) == [None]
+
+
+def test_tp_annotations_in_loss_fn_explicit_data_axes_and_aux():
+    """A loss_fn that annotates its hidden activations over tp (as a tensor-parallel model
+    does) runs without the dropped-annotation warning, on a mesh whose pp and dp axes are
+    Explicit, with an aux output; loss, aux and grads match."""
+    params, specs, batch = _mlp()
+    mesh = _mesh(types=(AxisType.Explicit, AxisType.Explicit, AxisType.Auto))
+    hidden = jax.sharding.NamedSharding(mesh, P(None, "tp"))
+
+    def loss_fn(params, batch, annotate=True):
+        x = batch["x"]
+        for i, layer in enumerate(params["layers"]):
+            if i == LAYERS // 2:
+                x = zbjax.stage_boundary(x)
+            h = jnp.tanh(x @ layer["w1"] + layer["b1"])
+            if annotate:
+                h = jax.lax.with_sharding_constraint(h, hidden)
+            x = x + h @ layer["w2"] + layer["b2"]
+        err = x @ params["head"] - batch["y"]
+        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4, param_specs=specs, has_aux=True
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (loss, aux), grads = jax.jit(pipe.value_and_grad)(params, batch)
+    micro = [jax.tree.map(lambda a, i=i: a[i * 8 : (i + 1) * 8], batch) for i in range(4)]
+    # The unpipelined reference, without the annotation (it changes no value).
+    reference = jax.value_and_grad(lambda p, b: loss_fn(p, b, annotate=False), has_aux=True)
+    outs = [reference(params, mb) for mb in micro]
+    want_grads = jax.tree.map(lambda *g: sum(g) / 4, *[g for _, g in outs])
+    np.testing.assert_allclose(float(loss), np.mean([float(v) for (v, _), _ in outs]), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(aux["mae"]), np.mean([float(a["mae"]) for (_, a), _ in outs]), rtol=1e-5
+    )
+    assert _max_diff(grads, want_grads) < 1e-5
+
+
+TP_CFG = gpt.GPTConfig(num_layers=4, d_model=16, seq_len=8, vocab_size=32)
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+TP_TRANSFORMS = {
+    "adamw with a decay mask": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=_decay_mask),
+    "lamb (per-leaf trust ratio)": lambda: optax.lamb(1e-2),
+    "adafactor (factored moments)": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+
+
+def _tp_case(flavour):
+    if flavour == "loop-zb-h1":
+        cfg = dataclasses.replace(TP_CFG, stage_boundaries=(1,))
+        module, schedule, kwargs = gpt, "zb-h1", {}
+    else:
+        module, schedule, kwargs = gpt_scan, "zb-v", {"num_stages": 4}
+        cfg = TP_CFG
+    params = module.init_params(jax.random.key(0), cfg)
+    loss_fn = module.make_loss_fn(cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    pipe = zbjax.pipeline(
+        loss_fn,
+        mesh=_mesh(),
+        schedule=schedule,
+        num_microbatches=2,
+        param_specs=gpt.tensor_parallel_specs(params),
+        **kwargs,
+    )
+    staged = pipe.stage(params, batch)
+    _, ref_grads = reference_value_and_grad(loss_fn, params, batch, 2)
+    return pipe, params, staged, pipe.stage(ref_grads), ref_grads
+
+
+@pytest.fixture(scope="module")
+def tp_loop_case():
+    return _tp_case("loop-zb-h1")
+
+
+@pytest.fixture(scope="module")
+def tp_scan_case():
+    return _tp_case("scan-zb-v")
+
+
+def _two_steps(tx, params, grads):
+    state = tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _check_per_leaf(case, name):
+    pipe, params, staged, grads, ref_grads = case
+    make = TP_TRANSFORMS[name]
+    tx = optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(make()))
+    got = jax.jit(lambda p, g: _two_steps(tx, p, g))(staged, grads)
+    want = _two_steps(optax.chain(optax.clip_by_global_norm(1.0), make()), params, ref_grads)
+    assert isinstance(got, zbjax.StagedParams)
+    for row, want_row in zip(got.rows, pipe.stage(want).rows, strict=True):
+        np.testing.assert_allclose(row, want_row, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(TP_TRANSFORMS))
+def test_per_leaf_on_params_split_over_the_tensor_axis(tp_loop_case, name):
+    """per_leaf sees each split leaf whole (XLA splits its work), so masks, lamb's trust
+    ratio and adafactor's factored moments match optax on the user's tree."""
+    _check_per_leaf(tp_loop_case, name)
+
+
+def test_per_leaf_on_split_scan_layers_and_its_state_holds_parts(tp_scan_case):
+    """The nn.scan GPT under zb-v: each device holds two row ranges of each stacked leaf,
+    split over tp along another dimension (a per-leaf norm would be over the device's layers,
+    as ``test_optim.py`` says, so the masked adamw is the exact case)."""
+    _check_per_leaf(tp_scan_case, "adamw with a decay mask")
+    # Adam's two moments per leaf hold each device's part, as its params row does: at most
+    # twice the row per block (whole copies of the split leaves would not fit).
+    pipe, _, staged, _, _ = tp_scan_case
+    state = jax.jit(pipe.per_leaf(TP_TRANSFORMS["adamw with a decay mask"]()).init)(staged)
+    layout = pipe.lowering.layout
+    k = state.dtypes.index("float32")
+    assert state.rows[k].shape[1] // layout.tensor_size <= 2 * layout.row_size[0]

@@ -63,6 +63,7 @@ from zbjax.params import (
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import forwarded_residuals, forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
+from zbjax.tensor import from_blocks, to_blocks, value_splits
 from zbjax.ticks import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -86,24 +87,36 @@ _KIND_SCOPE = {FORWARD: "F", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W", BACKWARD
 class Packing:
     """Where each value of a list sits in per-dtype flat vectors.
 
-    ``items[i]`` is (dtype index into ``dtypes``, offset, shape) of value ``i``; ``sizes[k]``
-    is how much of dtype ``k`` the values use.
+    ``items[i]`` is (dtype index into ``dtypes``, offset, shape, split) of value ``i``;
+    ``sizes[k]`` is how much of dtype ``k`` the values use. Over a tensor axis of T devices a
+    value split along dimension ``split`` (None: whole) is stored as its part on each device:
+    ``shape`` and offsets are then a part's, in each device's block of the flat vector.
     """
 
     dtypes: tuple[str, ...]
-    items: tuple[tuple[int, int, tuple[int, ...]], ...]
+    items: tuple[tuple[int, int, tuple[int, ...], int | None], ...]
     sizes: tuple[int, ...]
 
 
-def packing(avals: Sequence[Any], dtypes: Sequence[str]) -> Packing:
-    """Returns the packing of values shaped like ``avals`` into flat vectors of ``dtypes``."""
+def packing(
+    avals: Sequence[Any],
+    dtypes: Sequence[str],
+    splits: Sequence[int | None] | None = None,
+    tensor_size: int = 1,
+) -> Packing:
+    """Returns the packing of values shaped like ``avals`` into flat vectors of ``dtypes``,
+    each value split along ``splits[i]`` over a tensor axis of ``tensor_size`` devices."""
     dtypes = tuple(dtypes)
     sizes = [0] * len(dtypes)
     items = []
-    for aval in avals:
+    for i, aval in enumerate(avals):
         k = dtypes.index(dtype_name(aval.dtype))
-        size = int(np.prod(aval.shape, dtype=np.int64))
-        items.append((k, sizes[k], tuple(aval.shape)))
+        split = splits[i] if splits is not None else None
+        shape = list(aval.shape)
+        if split is not None:
+            shape[split] //= tensor_size
+        size = int(np.prod(shape, dtype=np.int64))
+        items.append((k, sizes[k], tuple(shape), split))
         sizes[k] += size
     return Packing(dtypes, tuple(items), tuple(sizes))
 
@@ -111,7 +124,7 @@ def packing(avals: Sequence[Any], dtypes: Sequence[str]) -> Packing:
 def pack(p: Packing, values: Sequence[jax.Array], capacity: Sequence[int]) -> list[jax.Array]:
     """Returns per dtype a flat vector of length ``capacity[k]`` holding ``values``."""
     pieces: list[list[jax.Array]] = [[] for _ in p.dtypes]
-    for (k, _, _), value in zip(p.items, values, strict=True):
+    for (k, *_), value in zip(p.items, values, strict=True):
         pieces[k].append(jnp.ravel(value).astype(p.dtypes[k]))
     out = []
     for k, dt in enumerate(p.dtypes):
@@ -124,7 +137,7 @@ def pack(p: Packing, values: Sequence[jax.Array], capacity: Sequence[int]) -> li
 def unpack(p: Packing, flats: Sequence[jax.Array]) -> list[jax.Array]:
     """Returns the values that ``pack`` put into ``flats``."""
     out = []
-    for k, offset, shape in p.items:
+    for k, offset, shape, _ in p.items:
         size = int(np.prod(shape, dtype=np.int64))
         out.append(flats[k][offset : offset + size].reshape(shape))
     return out
@@ -204,9 +217,14 @@ def slot_layout(
     dtypes: Sequence[str] | None = None,
     whole: bool | None = False,
     overlay: bool = False,
+    splits: tuple[Sequence[int | None], Sequence[int | None]] | None = None,
+    tensor_size: int = 1,
 ) -> SlotLayout:
     """Returns ``program``'s slot layout over per-dtype vectors of ``dtypes`` (by default the
     dtypes of its own residuals and stash).
+
+    ``splits`` (per residual, per stash value: the dimension split over a tensor axis of
+    ``tensor_size`` devices, or None) stores split values as their parts (``packing``).
 
     W reads some residuals too (``split.forwarded_stash``: the ``x`` of ``x @ A``); it reads
     them where F stored them, so B copies nothing for W and writes into the stash slot only
@@ -240,18 +258,34 @@ def slot_layout(
     # W's residuals first, so that an overlaid stash goes after them, over B's.
     rest_index = [j for j, k in enumerate(in_kept) if not k]
     rest_index.sort(key=lambda j: j not in read_by_w)
-    kept = packing([stored_avals[j] for j in kept_index], dtypes)
-    rest = packing([stored_avals[j] for j in rest_index], dtypes)
+    if splits is None:
+        stored_splits, stash_splits = [None] * len(stored_avals), [None] * len(forwarded)
+    else:
+        stored_splits = [
+            s for s, (where, _) in zip(splits[0], sources, strict=True) if where == "slot"
+        ]
+        stash_splits = list(splits[1])
+
+    def pack_of(index):
+        return packing(
+            [stored_avals[j] for j in index], dtypes, [stored_splits[j] for j in index], tensor_size
+        )
+
+    kept, rest = pack_of(kept_index), pack_of(rest_index)
     item = {
         **{j: ("kept", i) for j, i in zip(kept_index, kept.items, strict=True)},
         **{j: ("residual", i) for j, i in zip(rest_index, rest.items, strict=True)},
     }
     residuals = tuple(item[j] if where == "slot" else (where, j) for where, j in sources)
+    fresh = [i for i, f in enumerate(forwarded) if f is None]
     new = packing(
-        [a for a, f in zip(program.stash_avals, forwarded, strict=True) if f is None], dtypes
+        [program.stash_avals[i] for i in fresh],
+        dtypes,
+        [stash_splits[i] for i in fresh],
+        tensor_size,
     )
     weight_sizes = [0] * len(dtypes)
-    for j, (k, offset, shape) in zip(rest_index, rest.items, strict=True):
+    for j, (k, offset, shape, _) in zip(rest_index, rest.items, strict=True):
         if j in read_by_w:
             weight_sizes[k] = max(weight_sizes[k], offset + int(np.prod(shape, dtype=np.int64)))
     written = iter(new.items)
@@ -350,8 +384,11 @@ class Lowering:
         capacity]`` each: the residual pool per slot dtype, then the kept pool, then the stash
         pool."""
         d, dp = self.tables.num_devices, self.data_parallel_size
+        # Over a tensor axis of T devices, [..., slots, T, capacity]: each its parts.
+        T = self.layout.tensor_size
+        blocks = (T,) if T > 1 else ()
         return tuple(
-            jax.ShapeDtypeStruct((d, dp, max(slots, 1), c), dt)
+            jax.ShapeDtypeStruct((d, dp, max(slots, 1), *blocks, c), dt)
             for slots, capacity in (
                 (self.tables.num_residual_slots, self.residual_capacity),
                 (self.tables.num_kept_slots, self.kept_capacity),
@@ -362,7 +399,10 @@ class Lowering:
 
     def new_pools(self) -> list[jax.Array]:
         """Returns fresh slot pools to pass to ``step`` (zeros, each device's rows on it)."""
-        sharding = NamedSharding(self.mesh, self.pool_spec)
+        spec = self.pool_spec
+        if self.layout.tensor_size > 1:
+            spec = PartitionSpec(*spec, None, self.layout.tensor_axis)
+        sharding = NamedSharding(self.mesh, spec)
         return [
             jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=sharding)()
             for a in self.pool_avals()
@@ -429,8 +469,12 @@ def lower(
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )
+    splits, tensor_size = None, 1
+    if tensor is not None:
+        tensor_size = tensor[1]
+        splits = [_tensor_splits(graph.stages[p.stage.index], p, tensor) for p in programs]
     slot_layouts, tables, capacities = _slots_and_tables(
-        programs, slot_dtypes, schedule, graph, positions
+        programs, slot_dtypes, schedule, graph, positions, splits, tensor_size
     )
     residual_capacity, kept_capacity, stash_capacity, overlay_capacity = capacities
     layout = staged_layout(
@@ -464,6 +508,23 @@ def lower(
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
     )
+
+
+def _tensor_splits(stage: Any, program: StageProgram, tensor: tuple) -> tuple[list, list]:
+    """Returns (per residual, per stash value) the dimension a stage computes it split along
+    over the tensor axis (``tensor.value_splits`` from its params' splits), None for whole."""
+    _, size, leaf_split = tensor
+    forward_in = len(program.forward.in_avals)
+    param_splits = [leaf_split[leaf] for leaf in stage.param_leaves]
+    outs = value_splits(
+        program.forward, param_splits + [None] * (forward_in - len(param_splits)), size
+    )
+    residual = outs[len(outs) - len(program.residual_avals) :]
+    backward_in = len(program.backward_input.in_avals)
+    outs = value_splits(
+        program.backward_input, residual + [None] * (backward_in - len(residual)), size
+    )
+    return residual, outs[len(outs) - len(program.stash_avals) :]
 
 
 def _capacities(
@@ -519,9 +580,12 @@ def _slots_and_tables(
     schedule: Schedule,
     graph: StageGraph,
     positions: dict | None = None,
+    splits: Sequence[tuple] | None = None,
+    tensor_size: int = 1,
 ) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...]]:
     """Returns the slot layouts, tick tables and (residual, kept, stash, overlay region) slot
-    sizes per dtype that hold the fewest bytes of slots.
+    sizes per dtype that hold the fewest bytes of slots (``splits[s]``: stage ``s``'s
+    ``slot_layout`` splits over a tensor axis of ``tensor_size`` devices).
 
     Pools are as large as the largest stage's values times the most slots in flight on any
     device, so the best place for what W reads depends on the schedule. Six candidates are
@@ -536,7 +600,10 @@ def _slots_and_tables(
     for whole, overlay in SLOT_CANDIDATES:
         if overlay and not separate_w:
             continue  # no B writes a stash: nothing to overlay
-        layouts = tuple(slot_layout(p, dtypes, whole, overlay) for p in programs)
+        layouts = tuple(
+            slot_layout(p, dtypes, whole, overlay, splits and splits[s], tensor_size)
+            for s, p in enumerate(programs)
+        )
         tables = tick_tables(
             schedule,
             message_edges(graph),
@@ -638,17 +705,44 @@ def _slot_index(slot: jax.Array, offset: int) -> tuple:
     return slot, jnp.asarray(offset, slot.dtype)
 
 
-def _read_slot(buffers: Sequence[jax.Array], slot: jax.Array, item: tuple) -> jax.Array:
-    k, offset, shape = item
+def _read_slot(
+    buffers: Sequence[jax.Array], slot: jax.Array, item: tuple, tensor_axis: str | None = None
+) -> jax.Array:
+    """Returns the value ``item`` names in slot ``slot`` of its dtype's pool. Over a tensor
+    axis (pools ``[slots, T, capacity]``, split over it along T) each device reads its part
+    and the value comes out split as ``item`` says."""
+    k, offset, shape, split = item
     size = int(np.prod(shape, dtype=np.int64))
-    flat = jax.lax.dynamic_slice(buffers[k], _slot_index(slot, offset), (1, size))
-    return flat.reshape(shape)
+    pool = buffers[k]
+    if tensor_axis is None:
+        flat = jax.lax.dynamic_slice(pool, _slot_index(slot, offset), (1, size))
+        return flat.reshape(shape)
+    slot, offset = _slot_index(slot, offset)
+    start = (slot, jnp.zeros_like(slot), offset)
+    blocks = jax.lax.dynamic_slice(pool, start, (1, pool.shape[1], size))[0]
+    return from_blocks(tensor_axis, [blocks], [shape], [split])[0]
 
 
-def _write_slot(buffers: list[jax.Array], slot: jax.Array, item: tuple, value: jax.Array) -> None:
-    k, offset, _ = item
-    flat = jnp.ravel(value).astype(buffers[k].dtype)[None]
-    buffers[k] = jax.lax.dynamic_update_slice(buffers[k], flat, _slot_index(slot, offset))
+def _write_slot(
+    buffers: list[jax.Array],
+    slot: jax.Array,
+    item: tuple,
+    value: jax.Array,
+    tensor_axis: str | None = None,
+) -> None:
+    """Writes ``value`` where ``item`` says in slot ``slot`` (see ``_read_slot``)."""
+    k, offset, _, split = item
+    pool = buffers[k]
+    value = jnp.asarray(value).astype(pool.dtype)
+    if tensor_axis is None:
+        buffers[k] = jax.lax.dynamic_update_slice(
+            pool, jnp.ravel(value)[None], _slot_index(slot, offset)
+        )
+        return
+    slot, offset = _slot_index(slot, offset)
+    blocks = to_blocks(tensor_axis, [value], [split])
+    start = (slot, jnp.zeros_like(slot), offset)
+    buffers[k] = jax.lax.dynamic_update_slice(pool, blocks[None], start)
 
 
 @dataclass(frozen=True)
@@ -727,11 +821,13 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     program = low.programs[stage_index]
     name = f"{_KIND_SCOPE[kind]} s{stage_index}"
     slots = low.slot_layouts[stage_index]
+    # Over a tensor axis the pools hold each device's parts: [slots, T, capacity].
+    tensor_axis = low.layout.tensor_axis if low.layout.tensor_size > 1 else None
 
     def overlay_item(item):
         # Offsets into the stage's overlay region, right after the residuals its W reads.
-        k, offset, shape = item
-        return k, slots.weight_residual_sizes[k] + offset, shape
+        k, offset, shape, split = item
+        return k, slots.weight_residual_sizes[k] + offset, shape, split
 
     edge_packing = {e: packing(graph.edges[e].values, msg_dtypes) for e in range(len(edges))}
     reads = incoming_messages(edges, stage_index, kind != FORWARD)
@@ -818,9 +914,10 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
 
             def value(where, what):
                 if where == "overlay":
-                    return _read_slot(residual_buf, ctx["residual_read"], overlay_item(what))
+                    item = overlay_item(what)
+                    return _read_slot(residual_buf, ctx["residual_read"], item, tensor_axis)
                 if where in pools:
-                    return _read_slot(*pools[where], what)
+                    return _read_slot(*pools[where], what, tensor_axis)
                 if where == "param":
                     return params[what]
                 return batch_mb(what)
@@ -857,7 +954,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 }
                 for (where, item), value in zip(slots.residuals, residuals, strict=True):
                     if where in writes:
-                        _write_slot(*writes[where], item, value)
+                        _write_slot(*writes[where], item, value, tensor_axis)
             elif kind in (BACKWARD_INPUT, BACKWARD):
                 jaxpr = program.backward_input if kind == BACKWARD_INPUT else program.backward
 
@@ -875,10 +972,14 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 if kind == BACKWARD_INPUT:
                     for (where, item), value in zip(slots.stash, rest, strict=True):
                         if where == "stash":
-                            _write_slot(stash_buf, ctx["stash_write"], item, value)
+                            _write_slot(stash_buf, ctx["stash_write"], item, value, tensor_axis)
                         elif where == "overlay":
                             _write_slot(
-                                residual_buf, ctx["residual_read"], overlay_item(item), value
+                                residual_buf,
+                                ctx["residual_read"],
+                                overlay_item(item),
+                                value,
+                                tensor_axis,
                             )
                 else:
                     _add_gradients(layout, stage_index, grads, rest)

@@ -50,7 +50,9 @@ from zbjax.params import (
     StagedParams,
     dtype_name,
     per_device,
+    read_slots,
 )
+from zbjax.tensor import from_blocks, to_blocks, value_splits
 
 
 @dataclass(frozen=True)
@@ -121,11 +123,6 @@ def device_views(layout: StagedLayout) -> list[list[LeafView]]:
     ]
 
 
-def _row_slice(rows: Sequence[jax.Array], layout: StagedLayout, slot: LeafSlot) -> jax.Array:
-    row = rows[layout.dtype_index(slot.dtype)]
-    return row[slot.offset : slot.offset + slot.size].reshape(slot.shape)
-
-
 def unpack_views(
     layout: StagedLayout, views: Sequence[LeafView], rows: Sequence[jax.Array]
 ) -> list[jax.Array]:
@@ -136,23 +133,38 @@ def unpack_views(
         if not view.reads:
             out.append(None)
             continue
-        pieces = [_row_slice(rows, layout, slot)[skip:] for slot, skip in view.reads]
+        values = read_slots(layout, rows, [slot for slot, _ in view.reads])
+        pieces = [v[skip:] for v, (_, skip) in zip(values, view.reads, strict=True)]
         out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
     return out
 
 
-def _pack(pieces: Sequence[tuple[int, jax.Array]], size: int, dtype: str) -> jax.Array:
-    """Returns a ``size``-long vector with each flat value of ``pieces`` at its offset, zeros
-    elsewhere (``pieces`` do not overlap)."""
+def _pack(
+    pieces: Sequence[tuple[int, jax.Array, int | None]],
+    size: int,
+    dtype: str,
+    tensor: tuple[str, int] | None = None,
+) -> jax.Array:
+    """Returns a ``size``-long vector with each flat value of ``pieces`` (offset, value, split)
+    at its offset, zeros elsewhere (``pieces`` do not overlap). Over a tensor axis
+    (``tensor``: its name and size T) the vector is T blocks of ``size``, each device's holding
+    its part of each value (split along ``split``, or all of it for None)."""
+    blocks = 1 if tensor is None else tensor[1]
     parts, fill = [], 0
-    for offset, value in sorted(pieces, key=lambda p: p[0]):
+    for offset, value, split in sorted(pieces, key=lambda p: p[0]):
         if offset > fill:
-            parts.append(jnp.zeros(offset - fill, dtype))
-        parts.append(jnp.ravel(value).astype(dtype))
-        fill = offset + int(np.size(value))
+            parts.append(jnp.zeros((blocks, offset - fill), dtype))
+        value = jnp.asarray(value).astype(dtype)
+        part = jnp.ravel(value)[None] if tensor is None else to_blocks(tensor[0], [value], [split])
+        parts.append(part)
+        fill = offset + part.shape[1]
     if size > fill or not parts:
-        parts.append(jnp.zeros(size - fill, dtype))
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        parts.append(jnp.zeros((blocks, size - fill), dtype))
+    return (jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]).reshape(-1)
+
+
+def _tensor(layout: StagedLayout) -> tuple[str, int] | None:
+    return (layout.tensor_axis, layout.tensor_size) if layout.tensor_size > 1 else None
 
 
 def pack_views(
@@ -163,10 +175,13 @@ def pack_views(
     pieces: list[list] = [[] for _ in layout.dtypes]
     for view, value in zip(views, values, strict=True):
         for slot, first in view.writes:
-            part = value if not slot.shape else value[first : first + slot.shape[0]]
-            pieces[layout.dtype_index(slot.dtype)].append((slot.offset, part))
+            rows = layout.copy_shape(slot)[0] if slot.shape else None
+            part = value if rows is None else value[first : first + rows]
+            pieces[layout.dtype_index(slot.dtype)].append(
+                (slot.offset, part, layout.split_of(slot))
+            )
     return [
-        _pack(p, size, dt)
+        _pack(p, size, dt, _tensor(layout))
         for p, size, dt in zip(pieces, layout.row_size, layout.dtypes, strict=True)
     ]
 
@@ -182,18 +197,34 @@ class StateLayout:
     """Where each device's optimizer state leaves sit in its ``StagedState`` rows.
 
     ``treedefs[d]`` is device ``d``'s state tree structure (they may differ: a mask computed
-    from leaf sizes, say), ``leaves[d]`` its leaves' (dtype index, offset, shape)."""
+    from leaf sizes, say), ``leaves[d]`` its leaves' (dtype index, offset, shape, split). Over
+    a tensor axis (``tensor``: its name and size T) a row is T blocks of ``row_size``, and a
+    leaf split along ``split`` holds its part in each (``shape`` is a part's), as staged params
+    do."""
 
     dtypes: tuple[str, ...]
     row_size: tuple[int, ...]
     treedefs: tuple[Any, ...]
-    leaves: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...]
+    leaves: tuple[tuple[tuple[int, int, tuple[int, ...], int | None], ...], ...]
+    tensor: tuple[str, int] | None = None
+
+    def row_width(self, k: int) -> int:
+        """Returns the length of dtype ``dtypes[k]``'s rows (all blocks)."""
+        return self.row_size[k] * (self.tensor[1] if self.tensor else 1)
 
     def unpack(self, device: int, rows: Sequence[jax.Array]) -> Any:
-        values = [
-            rows[k][offset : offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-            for k, offset, shape in self.leaves[device]
-        ]
+        values, blocks, where = [], [], []
+        for k, offset, shape, split in self.leaves[device]:
+            size = int(np.prod(shape, dtype=np.int64))
+            if self.tensor is None:
+                values.append(rows[k][offset : offset + size].reshape(shape))
+                continue
+            row = rows[k].reshape(self.tensor[1], self.row_size[k])
+            blocks.append(row[:, offset : offset + size])
+            where.append((shape, split))
+        if self.tensor is not None and blocks:
+            shapes, splits = zip(*where, strict=True)
+            values = from_blocks(self.tensor[0], blocks, shapes, splits)
         return jax.tree_util.tree_unflatten(self.treedefs[device], values)
 
     def pack(self, device: int, state: Any, what: str) -> list[jax.Array]:
@@ -205,25 +236,51 @@ class StateLayout:
                 f"transformation whose state keeps its structure from step to step, as optax's do"
             )
         pieces: list[list] = [[] for _ in self.dtypes]
-        for (k, offset, _), value in zip(self.leaves[device], values, strict=True):
-            pieces[k].append((offset, value))
+        for (k, offset, _, split), value in zip(self.leaves[device], values, strict=True):
+            pieces[k].append((offset, value, split))
         return [
-            _pack(p, size, dt)
+            _pack(p, size, dt, self.tensor)
             for p, size, dt in zip(pieces, self.row_size, self.dtypes, strict=True)
         ]
 
 
+def _view_tree(treedef: Any, views: Sequence[LeafView]) -> Any:
+    """Returns a device's view tree of ``ShapeDtypeStruct`` (None for a leaf it does not hold)."""
+    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) if v.reads else None for v in views]
+    return jax.tree_util.tree_unflatten(treedef, avals)
+
+
+def _state_splits(
+    tx: Any, treedef: Any, views: Sequence[LeafView], leaf_splits: Sequence, state: Any, size: int
+) -> list[int | None]:
+    """Returns the dimension each state leaf of one device is split along over a tensor axis
+    of ``size`` devices (None: whole): what ``tx.update`` makes of it from the leaves' splits
+    (``tensor.value_splits``), fed its own answer until it stops changing (Adam's moments:
+    split like their leaves once the gradients have flowed into them)."""
+    tree = _view_tree(treedef, views)
+    held = [split for view, split in zip(views, leaf_splits, strict=True) if view.reads]
+    closed, (updates, _) = jax.make_jaxpr(tx.update, return_shape=True)(tree, state, tree)
+    num_updates = len(jax.tree.leaves(updates))
+    splits: list = [None] * len(jax.tree.leaves(state))
+    for _ in range(4):
+        outs = value_splits(closed, [*held, *splits, *held], size)[num_updates:]
+        if outs == splits:
+            break
+        splits = outs
+    return splits
+
+
 def state_layout(
-    init: Callable[[Any], Any], treedef: Any, views: Sequence[Sequence[LeafView]]
+    tx: Any, treedef: Any, views: Sequence[Sequence[LeafView]], layout: StagedLayout | None = None
 ) -> StateLayout:
-    """Returns the layout of the states ``init`` makes for each device's view tree."""
+    """Returns the layout of the states ``tx.init`` makes for each device's view tree (over
+    the tensor axis of ``layout``, if it has one, with each state leaf split as
+    ``_state_splits`` finds)."""
+    tensor = _tensor(layout) if layout is not None else None
     flat = []
     for device_views_ in views:
-        tree = jax.tree_util.tree_unflatten(
-            treedef,
-            [jax.ShapeDtypeStruct(v.shape, v.dtype) if v.reads else None for v in device_views_],
-        )
-        leaves, state_def = jax.tree_util.tree_flatten(jax.eval_shape(init, tree))
+        state = jax.eval_shape(tx.init, _view_tree(treedef, device_views_))
+        leaves, state_def = jax.tree_util.tree_flatten(state)
         for leaf in leaves:
             if not isinstance(leaf, jax.ShapeDtypeStruct) or jax.dtypes.issubdtype(
                 leaf.dtype, jax.dtypes.extended
@@ -234,21 +291,28 @@ def state_layout(
                     f"numeric arrays (every optax optimizer's is); keep a transformation with "
                     f"other state (a PRNG key, say) outside per_leaf in the optax.chain"
                 )
-        flat.append((leaves, state_def))
-    dtypes = tuple(sorted({dtype_name(x.dtype) for leaves, _ in flat for x in leaves}))
+        splits = [None] * len(leaves)
+        if tensor is not None:
+            leaf_splits = [layout.leaf_split[i] for i in range(len(device_views_))]
+            splits = _state_splits(tx, treedef, device_views_, leaf_splits, state, tensor[1])
+        flat.append((leaves, state_def, splits))
+    dtypes = tuple(sorted({dtype_name(x.dtype) for leaves, _, _ in flat for x in leaves}))
     fills = []
     placed = []
-    for leaves, _ in flat:
+    for leaves, _, splits in flat:
         fill = [0] * len(dtypes)
         mine = []
-        for x in leaves:
+        for x, split in zip(leaves, splits, strict=True):
             k = dtypes.index(dtype_name(x.dtype))
-            mine.append((k, fill[k], tuple(x.shape)))
-            fill[k] += int(np.prod(x.shape, dtype=np.int64))
+            shape = list(x.shape)
+            if split is not None:
+                shape[split] //= tensor[1]
+            mine.append((k, fill[k], tuple(shape), split))
+            fill[k] += int(np.prod(shape, dtype=np.int64))
         fills.append(fill)
         placed.append(tuple(mine))
     row_size = tuple(max((f[k] for f in fills), default=0) for k in range(len(dtypes)))
-    return StateLayout(dtypes, row_size, tuple(d for _, d in flat), tuple(placed))
+    return StateLayout(dtypes, row_size, tuple(d for _, d, _ in flat), tuple(placed), tensor)
 
 
 def per_leaf(
@@ -273,11 +337,12 @@ def per_leaf(
                 f"layout use the optax transformation itself"
             )
         staged_layout, treedef = layout()
-        if tuple(np.shape(r)[-1] for r in params.rows) != staged_layout.row_size:
+        widths = tuple(staged_layout.row_width(k) for k in range(len(staged_layout.dtypes)))
+        if tuple(np.shape(r)[-1] for r in params.rows) != widths:
             raise PipelineError(
                 f"per_leaf(...).{what}: the staged arrays have rows of "
                 f"{[np.shape(r)[-1] for r in params.rows]} elements, the pipeline's current "
-                f"layout {list(staged_layout.row_size)}; stage the params with this pipeline "
+                f"layout {list(widths)}; stage the params with this pipeline "
                 f"(pipe.stage) after building it for the batch shape you train with"
             )
         return staged_layout, treedef
@@ -288,18 +353,22 @@ def per_leaf(
         staged_layout, treedef = check(params, what)
         if id(staged_layout) not in built:  # the layout is kept, so its id is not reused
             views = device_views(staged_layout)
-            states = state_layout(tx.init, treedef, views)
+            states = state_layout(tx, treedef, views, staged_layout)
             built[id(staged_layout)] = (staged_layout, views, states)
         _, views, states = built[id(staged_layout)]
         return staged_layout, treedef, views, states
 
-    def run(body: Callable, args: Sequence[Any], num_out: Sequence[int]) -> Any:
+    def run(
+        body: Callable, args: Sequence[Any], num_out: Sequence[int], tensor_axis: str | None
+    ) -> Any:
         specs = jax.tree.map(lambda _: spec, args)
         fn = shard_map(
             body,
             mesh=mesh,
             in_specs=tuple(specs),
             out_specs=tuple([spec] * n for n in num_out),
+            # A tensor axis is left to the compiler, as in the pipeline's step.
+            axis_names={a for a in mesh.axis_names if a != tensor_axis},
             check_vma=False,
         )
         try:
@@ -331,16 +400,14 @@ def per_leaf(
             out = per_device(axis, staged_layout.num_devices, branch, local)
             return ([r[None] for r in out],)
 
-        (rows,) = run(body, (list(params.rows),), (len(states.dtypes),))
+        (rows,) = run(body, (list(params.rows),), (len(states.dtypes),), staged_layout.tensor_axis)
         return StagedState(rows, states.dtypes)
 
     def update(updates: StagedParams, state: StagedState, params: StagedParams | None = None):
         staged_layout, treedef, views, states = setup(updates, "update")
         sizes = tuple(np.shape(r)[-1] for r in getattr(state, "rows", ()))
-        if not isinstance(state, StagedState) or (state.dtypes, sizes) != (
-            states.dtypes,
-            states.row_size,
-        ):
+        widths = tuple(states.row_width(k) for k in range(len(states.dtypes)))
+        if not isinstance(state, StagedState) or (state.dtypes, sizes) != (states.dtypes, widths):
             raise PipelineError(
                 "per_leaf(...).update: the optimizer state is not the one per_leaf(...).init "
                 "made for this pipeline's layout; call init on the staged params again"
@@ -381,6 +448,7 @@ def per_leaf(
             body,
             (list(updates.rows), list(state.rows), param_rows),
             (len(staged_layout.dtypes), len(states.dtypes)),
+            staged_layout.tensor_axis,
         )
         return StagedParams(new, updates.dtypes), StagedState(new_state, states.dtypes)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from zbjax._jax_compat import add_rows, set_rows, shard_map
+from zbjax._jax_compat import add_rows, set_rows
 from zbjax.stages import leading_rows
+from zbjax.tensor import from_blocks, to_blocks
 
 
 def dtype_name(dtype) -> str:
@@ -90,13 +90,6 @@ class StagedLayout:
     def split_of(self, slot: LeafSlot) -> int | None:
         """Returns the dimension of ``slot``'s leaf split over the tensor axis (None: none)."""
         return self.leaf_split[slot.leaf] if self.leaf_split else None
-
-    def slot_spec(self, slot: LeafSlot) -> PartitionSpec:
-        """Returns how ``slot``'s leaf lies over the tensor axis (for the nested shard_map)."""
-        split = self.split_of(slot)
-        if split is None:
-            return PartitionSpec()
-        return PartitionSpec(*([None] * split), self.tensor_axis)
 
     def copy_shape(self, slot: LeafSlot) -> tuple[int, ...]:
         """Returns the shape of the copy ``slot`` holds (its leaf, or rows of it), all parts."""
@@ -320,39 +313,25 @@ def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, sl
     return _join_parts(layout, slot, parts)
 
 
-def _tensor_manual(layout: StagedLayout, fn, in_specs, out_specs):
-    """Returns ``fn`` run per tensor shard (a ``shard_map`` manual over the tensor axis, inside
-    the pipeline's): a row comes in as its own block, a leaf as its part."""
-    return shard_map(
-        fn,
-        mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names={layout.tensor_axis},
-        # A replicated leaf's copies in the blocks are equal; the specs say so unchecked.
-        check_vma=False,
-    )
-
-
 def read_slots(
     layout: StagedLayout, local_rows: Sequence[jax.Array], slots: Sequence[LeafSlot]
 ) -> list[jax.Array]:
     """Returns the values ``slots`` hold in one device's rows (inside the pipeline's
     ``shard_map``); over a tensor axis each comes out split as its leaf's spec says."""
-
-    def read(rows):
-        out = []
-        for slot in slots:
-            row = rows[layout.dtype_index(slot.dtype)]
-            out.append(row[slot.offset : slot.offset + slot.size].reshape(slot.shape))
-        return out
-
+    parts = []
+    for slot in slots:
+        k = layout.dtype_index(slot.dtype)
+        row = local_rows[k]
+        if layout.tensor_size > 1:
+            # The slot's part in every block: [T, size], split over the tensor axis.
+            row = row.reshape(layout.tensor_size, layout.row_size[k])
+            parts.append(row[:, slot.offset : slot.offset + slot.size])
+        else:
+            parts.append(row[slot.offset : slot.offset + slot.size].reshape(slot.shape))
     if layout.tensor_size == 1 or not slots:
-        return read(local_rows)
-    row_spec = PartitionSpec(layout.tensor_axis)
-    return _tensor_manual(
-        layout, read, ([row_spec] * len(local_rows),), [layout.slot_spec(s) for s in slots]
-    )(list(local_rows))
+        return parts
+    shapes = [slot.shape for slot in slots]
+    return from_blocks(layout.tensor_axis, parts, shapes, [layout.split_of(s) for s in slots])
 
 
 def write_slots(
@@ -367,17 +346,18 @@ def write_slots(
     """Returns one device's ``row`` (of one dtype) with ``values``, the leaves of ``slots``
     that lie back to back from ``start``, written (``add``: added) there as one vector
     (inside the pipeline's ``shard_map``; over a tensor axis each block gets its parts)."""
-
-    def write(row, values):
-        vector = [jnp.ravel(v).astype(row.dtype) for v in values]
+    values = [jnp.asarray(v).astype(row.dtype) for v in values]
+    if layout.tensor_size == 1:
+        vector = [jnp.ravel(v) for v in values]
         vector = jnp.concatenate(vector) if len(vector) > 1 else vector[0]
         return add_rows(row, start, vector) if add else set_rows(row, start, vector)
-
-    if layout.tensor_size == 1:
-        return write(row, values)
-    row_spec = PartitionSpec(layout.tensor_axis)
-    specs = [layout.slot_spec(s) for s in slots]
-    return _tensor_manual(layout, write, (row_spec, specs), row_spec)(row, list(values))
+    T, width = layout.tensor_size, row.shape[0] // layout.tensor_size
+    parts = to_blocks(layout.tensor_axis, values, [layout.split_of(s) for s in slots])
+    blocks = row.reshape(T, width)
+    if add:
+        parts = parts + jax.lax.slice_in_dim(blocks, start, start + parts.shape[1], axis=1)
+    blocks = jax.lax.dynamic_update_slice_in_dim(blocks, parts, start, axis=1)
+    return blocks.reshape(row.shape)
 
 
 def _copies_by_leaf(layout: StagedLayout) -> list[list[tuple[int, LeafSlot]]]:

@@ -45,9 +45,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -503,14 +505,6 @@ class Pipeline:
         pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``.
         """
 
-        if self.tensor_axis is not None:
-            raise PipelineError(
-                f"pipe.per_leaf does not yet handle params split over the tensor axis "
-                f"{self.tensor_axis!r} (param_specs); use an element-wise optimizer on the "
-                "staged params (optax.adamw(lr) without a mask, adam, sgd, lion), which gives "
-                "the same result there, or optimize the unstaged params"
-            )
-
         def layout():
             return self._require_built("per_leaf").lowering.layout, self._params_treedef
 
@@ -694,7 +688,14 @@ class Pipeline:
             size = int(self.mesh.shape[axis]) if axis is not None else 1
             splits = leaf_splits(self.param_specs, params_avals, axis, size)
             tensor = (axis, size, splits) if axis is not None else None
-        kind, parted = self._partition(params_avals, micro, key_aval)
+        with warnings.catch_warnings():
+            if self.tensor_axis is not None:
+                # Annotations over the tensor axis alone are what param_specs carries out.
+                axes = re.escape(repr((self.tensor_axis,)))
+                warnings.filterwarnings(
+                    "ignore", f"loss_fn shards model dimensions over mesh axes {axes}"
+                )
+            kind, parted = self._partition(params_avals, micro, key_aval)
         graph = parted.graph
         if tensor is not None:
             paths = jax.tree_util.tree_leaves_with_path(params_avals)
@@ -924,7 +925,12 @@ class Pipeline:
             staged = params if staged_input else stage_leaves(low.layout, jax.tree.leaves(params))
             if self.tensor_axis is not None and not staged_input:
                 # Each device builds only its blocks of the rows it holds.
-                where = NamedSharding(self.mesh, self._rows_spec())
+                # (A constraint names Auto axes only; an Explicit pp axis is placed by the
+                # lowering's reshard.)
+                types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+                auto = types[self.axis_name] == jax.sharding.AxisType.Auto
+                spec = PartitionSpec(self.axis_name if auto else None, self.tensor_axis)
+                where = NamedSharding(self.mesh, spec)
                 staged = jax.tree.map(lambda r: jax.lax.with_sharding_constraint(r, where), staged)
             stacked = split_microbatches(batch, m)
             if with_key:

@@ -16,9 +16,57 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
+from zbjax._jax_compat import shard_map
 from zbjax.errors import PipelineError
+
+
+def split_spec(axis: str, split: int | None) -> PartitionSpec:
+    """Returns the spec of a value split along dimension ``split`` over ``axis`` (None: whole)."""
+    return PartitionSpec() if split is None else PartitionSpec(*([None] * split), axis)
+
+
+def per_shard(axis: str, fn: Any, in_specs: Any, out_specs: Any) -> Any:
+    """Returns ``fn`` run on each device's part over tensor ``axis``: a ``shard_map`` manual
+    over that axis, inside the pipeline's (which leaves it to the compiler). A block-split
+    ``[T, n]`` array comes in as the device's ``[1, n]`` block; a whole value declared whole
+    (``PartitionSpec()``) is taken to be equal on every device, unchecked."""
+    return shard_map(
+        fn,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={axis},
+        check_vma=False,
+    )
+
+
+def to_blocks(axis: str, values: Sequence[Any], splits: Sequence[int | None]) -> Any:
+    """Returns ``values``, each split along ``splits[i]`` over ``axis`` (None: whole), raveled
+    and put side by side as each device's block: a ``[T, n]`` array split over ``axis``."""
+
+    def local(values):
+        flat = [jax.numpy.ravel(v) for v in values]
+        return (jax.numpy.concatenate(flat) if len(flat) > 1 else flat[0])[None]
+
+    specs = [split_spec(axis, s) for s in splits]
+    return per_shard(axis, local, (specs,), PartitionSpec(axis))(list(values))
+
+
+def from_blocks(
+    axis: str, blocks: Sequence[Any], shapes: Sequence[tuple[int, ...]], splits: Sequence
+) -> list:
+    """Returns the values whose parts ``blocks[i]`` (``[T, n]``, split over ``axis``) hold:
+    each device's block reshaped to ``shapes[i]`` (a part's shape), split along ``splits[i]``
+    (None: whole, every block a copy)."""
+
+    def local(blocks):
+        return [b.reshape(shape) for b, shape in zip(blocks, shapes, strict=True)]
+
+    specs = [split_spec(axis, s) for s in splits]
+    return per_shard(axis, local, ([PartitionSpec(axis)] * len(blocks),), specs)(list(blocks))
 
 
 def _is_spec(x: Any) -> bool:
@@ -157,3 +205,212 @@ def check_row_splits(
                     "stages split between them (its leading axis), and param_specs split "
                     "that axis over the tensor axis too; split it along another dimension"
                 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Which intermediate values a split stage computes split: where its slots keep them split too.
+# ---------------------------------------------------------------------------------------------
+
+#: Primitives that keep a value's shape and act element by element: an output is split like
+#: its split operands of the same shape, when those agree.
+_ELEMENTWISE = frozenset(
+    {
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "add_any",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "cos",
+        "cosh",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "digamma",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "pow",
+        "real",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "stop_gradient",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+    }
+)
+_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+)
+
+
+def value_splits(closed: Any, in_splits: Sequence[int | None], size: int) -> list[int | None]:
+    """Returns, per output of the jaxpr ``closed``, the dimension along which it comes out split
+    over a tensor axis of ``size`` devices when its inputs are split as ``in_splits`` say (None:
+    whole), by following each equation's dimensions: element-wise operations, matmuls' free
+    and batch dimensions, broadcasts, transposes, reshapes that keep the split dimension
+    leading, reductions over other dimensions; anything else, or a dimension the devices do
+    not divide, is whole. A guess at what XLA's partitioner will do: a wrong one costs a
+    resharding between a slot and its reader, never a wrong value.
+    """
+    return _propagate(closed.jaxpr, list(in_splits), size)
+
+
+def _shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def _propagate(jaxpr: Any, in_splits: list, size: int) -> list:
+    from jax.extend.core import Literal
+
+    env: dict = {}
+    for var, split in zip(jaxpr.invars, in_splits, strict=True):
+        env[var] = split
+
+    def read(atom: Any) -> int | None:
+        return None if isinstance(atom, Literal) else env.get(atom)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _rule(eqn, ins, size)
+        for var, split in zip(eqn.outvars, outs, strict=True):
+            shape = _shape(var)
+            ok = split is not None and split < len(shape) and shape[split] % size == 0
+            env[var] = split if ok else None
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _rule(eqn: Any, ins: list, size: int) -> list:
+    name = eqn.primitive.name
+    params = eqn.params
+    none = [None] * len(eqn.outvars)
+    if not any(s is not None for s in ins):
+        return none
+    if name in _ELEMENTWISE:
+        out_shape = _shape(eqn.outvars[0])
+        # A whole operand next to a split one is sliced where it is: the result stays split.
+        splits = {
+            s
+            for v, s in zip(eqn.invars, ins, strict=True)
+            if s is not None and _shape(v) == out_shape
+        }
+        return [splits.pop()] if len(splits) == 1 else none
+    if name == "dot_general":
+        return [_dot_split(eqn, ins)]
+    if name == "broadcast_in_dim":
+        s = ins[0]
+        return [None if s is None else params["broadcast_dimensions"][s]]
+    if name == "transpose":
+        s = ins[0]
+        return [None if s is None else list(params["permutation"]).index(s)]
+    if name in _REDUCTIONS:
+        s, axes = ins[0], tuple(params["axes"])
+        return [None if s is None or s in axes else s - sum(a < s for a in axes)]
+    if name == "squeeze":
+        s, dims = ins[0], tuple(params["dimensions"])
+        return [None if s is None or s in dims else s - sum(d < s for d in dims)]
+    if name == "reshape":
+        return [_reshape_split(_shape(eqn.invars[0]), _shape(eqn.outvars[0]), ins[0], size)]
+    inner = _inner_jaxpr(eqn)
+    if inner is not None:
+        return _propagate(inner, ins[len(ins) - len(inner.invars) :], size)
+    return none
+
+
+def _dot_split(eqn: Any, ins: list) -> int | None:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
+    found = set()
+    for s, batch, free, offset in (
+        (ins[0], lb, lhs_free, len(lb)),
+        (ins[1], rb, rhs_free, len(lb) + len(lhs_free)),
+    ):
+        if s is None:
+            continue
+        if s in batch:
+            found.add(list(batch).index(s))
+        elif s in free:
+            found.add(offset + free.index(s))
+        else:
+            return None  # split along a contracted dimension: a partial sum, reduced whole
+    return found.pop() if len(found) == 1 else None
+
+
+def _reshape_split(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...], s: int | None, size: int
+) -> int | None:
+    """Returns the output dimension that a reshape maps the split input dimension ``s`` onto,
+    when it is the leading part of that dimension (so that equal blocks stay equal blocks)."""
+    if s is None:
+        return None
+    before = int(np.prod(in_shape[:s], dtype=np.int64))
+    acc = 1
+    for j, n in enumerate(out_shape):
+        if acc == before:
+            # Dimension j starts where s does: s leads it (merged) or it leads s (split).
+            if n % size == 0 and (n % in_shape[s] == 0 or in_shape[s] % n == 0):
+                return j
+            return None
+        acc *= n
+        if acc > before:
+            return None
+    return None
+
+
+def _inner_jaxpr(eqn: Any) -> Any:
+    """Returns the jaxpr a call-like equation runs on its operands (jit, custom_jvp/vjp, remat),
+    None for other equations."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(key)
+        inner = getattr(inner, "jaxpr", inner)
+        if inner is not None and hasattr(inner, "eqns") and len(inner.invars) <= len(eqn.invars):
+            if eqn.primitive.name in ("scan", "while", "cond"):
+                return None
+            if len(inner.outvars) == len(eqn.outvars):
+                return inner
+    return None
