@@ -254,11 +254,12 @@ _TENSOR_SPLIT = {
 }
 
 
-def tensor_parallel_specs(params: Params, axis: str = "tp") -> Any:
+def tensor_parallel_specs(params: Params, axis: str = "tp", size: int | None = None) -> Any:
     """Returns a ``PartitionSpec`` per GPT param (this module's, ``gpt_nnx``'s pure dict or
     ``gpt_scan``'s stacked layers) splitting the MLPs Megatron-style and the token embedding
     over the vocabulary along mesh ``axis``, for ``zbjax.pipeline(param_specs=...)``: None for
-    a replicated one."""
+    a replicated one. With ``size`` (the axis's), a param whose dimension it does not divide
+    (a vocabulary of 61 characters, say) stays replicated."""
 
     def spec(path: tuple, leaf: Any) -> Any:
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
@@ -268,6 +269,8 @@ def tensor_parallel_specs(params: Params, axis: str = "tp") -> Any:
         # gpt_scan stacks the layers' params along a leading axis: shift the split past it.
         base = 1 if names[-1] == "bias" else 2
         dim += jnp.ndim(leaf) - base
+        if size is not None and jnp.shape(leaf)[dim] % size:
+            return None
         return jax.sharding.PartitionSpec(*([None] * dim), axis)
 
     return jax.tree_util.tree_map_with_path(spec, params)

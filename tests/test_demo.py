@@ -199,3 +199,21 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys):
     assert "layers" in capsys.readouterr().err
     assert main(["demo", "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err
+
+
+def test_demo_with_tensor_parallelism_passes_its_checks():
+    """``--tp 2``: 2 pipeline devices, each stage's MLPs split over a 'tp' axis of 2, adamw
+    with a decay mask through per_leaf on the split params; both checks pass."""
+    config = dataclasses.replace(TINY, devices=2, tp=2, steps=3, out_dir=None, layers=2)
+    reports = []
+    result = run_demo(config, on_report=reports.append)
+    assert "split over the 2 devices of tensor axis 'tp'" in reports[0]
+    assert result.first_step.passed and result.final is not None and result.final.passed
+    assert result.loss_decreased
+
+
+def test_demo_tp_needs_the_devices(capsys):
+    assert main(["demo", "--devices", "8", "--tp", "2"]) == 2
+    assert "devices=8 x tp=2" in capsys.readouterr().err
+    assert main(["demo", "--tp", "0"]) == 2
+    assert "--tp 0" in capsys.readouterr().err

@@ -415,7 +415,8 @@ def test_per_leaf_on_split_scan_layers_and_its_state_holds_parts(tp_scan_case):
     # Adam's two moments per leaf hold each device's part, as its params row does: at most
     # twice the row per block (whole copies of the split leaves would not fit).
     pipe, _, staged, _, _ = tp_scan_case
-    state = jax.jit(pipe.per_leaf(TP_TRANSFORMS["adamw with a decay mask"]()).init)(staged)
+    # Called eagerly, outside a jit, as a user may.
+    state = pipe.per_leaf(TP_TRANSFORMS["adamw with a decay mask"]()).init(staged)
     layout = pipe.lowering.layout
     k = state.dtypes.index("float32")
     assert state.rows[k].shape[1] // layout.tensor_size <= 2 * layout.row_size[0]

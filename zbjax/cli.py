@@ -283,7 +283,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # The CPU device count must be set before JAX starts its backend, so before anything else.
     from zbjax.demo import request_cpu_devices
 
-    request_cpu_devices(args.devices)
+    for flag in ("devices", "tp"):
+        _check_positive(f"--{flag}", getattr(args, flag))
+    request_cpu_devices(args.devices and args.devices * args.tp)
     from zbjax.demo import DemoConfig, Progress, run_demo, summary
 
     for flag in ("devices", "stages", "microbatches", "layers", "width", "heads", "steps"):
@@ -293,6 +295,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     config = DemoConfig(
         schedule=args.schedule,
         devices=args.devices,
+        tp=args.tp,
         stages=args.stages,
         microbatches=args.microbatches,
         layers=args.layers,
@@ -327,7 +330,8 @@ def _add_demo_parser(subparsers: Any) -> None:
         help="train a small GPT pipelined over the devices and check it against JAX",
         description=(
             "Train the reference GPT on a generated character-level corpus, pipelined over a "
-            "1-D mesh (8 fake CPU devices, or the accelerators present), with optax.adamw "
+            "mesh of 8 fake CPU devices (or the accelerators present; --tp adds tensor "
+            "parallelism inside each stage), with optax.adamw "
             "(weight decay on matrices, run per leaf by pipe.per_leaf). "
             "Prints the pipeline report and one progress line per step, writes the schedule's "
             "Gantt chart and Perfetto trace, and checks the first step's loss and gradients "
@@ -338,7 +342,17 @@ def _add_demo_parser(subparsers: Any) -> None:
         "--schedule", default=default.schedule, help=f"schedule name (default {default.schedule})"
     )
     parser.add_argument(
-        "--devices", type=int, default=None, help="pipeline devices (default: all, at most 8)"
+        "--devices",
+        type=int,
+        default=None,
+        help="pipeline devices (default: all, at most 8, divided by --tp)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=default.tp,
+        help="tensor-parallel devices per pipeline device: the MLPs and the embedding split "
+        "Megatron-style over a 'tp' mesh axis (default 1: none; devices x tp in all)",
     )
     parser.add_argument(
         "--stages",

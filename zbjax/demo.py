@@ -68,7 +68,8 @@ class DemoConfig:
     """What to train and how; defaults finish in about a minute on a 2-core CPU."""
 
     schedule: str = "zb-h1"
-    devices: int | None = None  # pp size; None: every device present, at most 8
+    devices: int | None = None  # pp size; None: every device present, at most 8, over tp
+    tp: int = 1  # tensor-parallel devices per pipeline device (param_specs): pp x tp in all
     stages: int | None = None  # None: devices, or 2 x devices for zb-v / interleaved-1f1b
     microbatches: int = 8
     layers: int = 8
@@ -170,7 +171,7 @@ def _check_config(config: DemoConfig) -> None:
         value = getattr(config, name)
         if value < 1:
             raise PipelineError(f"{name}={value}; it must be at least 1")
-    for name in ("devices", "stages"):
+    for name in ("devices", "stages", "tp"):
         value = getattr(config, name)
         if value is not None and value < 1:
             raise PipelineError(f"{name}={value}; it must be at least 1")
@@ -189,18 +190,23 @@ def _check_config(config: DemoConfig) -> None:
         raise PipelineError(f"lr={config.lr}; the learning rate must be > 0")
 
 
-def _pp_mesh(num_devices: int | None) -> jax.sharding.Mesh:
+def _pp_mesh(num_devices: int | None, tp: int = 1) -> jax.sharding.Mesh:
+    """Returns the demo's mesh: ``pp`` of ``num_devices`` (default: every device present, at
+    most 8, over ``tp``), times a ``tp`` axis of ``tp`` devices when ``tp > 1``."""
     available = jax.devices()
-    count = num_devices if num_devices is not None else min(CPU_DEVICES, len(available))
-    if count > len(available):
+    count = num_devices if num_devices is not None else min(CPU_DEVICES, len(available)) // tp
+    if count < 1 or count * tp > len(available):
         raise PipelineError(
-            f"devices={count} but only {len(available)} {available[0].platform} devices are "
-            f"present; ask for at most {len(available)} (on CPU, run the demo in a fresh "
-            "process so that it can create the host devices it needs)"
+            f"devices={count} x tp={tp} but only {len(available)} {available[0].platform} "
+            f"devices are present; ask for at most {len(available)} in all (on CPU, run the "
+            "demo in a fresh process so that it can create the host devices it needs)"
         )
-    return jax.make_mesh(
-        (count,), ("pp",), axis_types=(jax.sharding.AxisType.Auto,), devices=available[:count]
-    )
+    if tp == 1:
+        shape, names = (count,), ("pp",)
+    else:
+        shape, names = (count, tp), ("pp", "tp")
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=auto, devices=available[: count * tp])
 
 
 def _gpt_config(config: DemoConfig, vocab_size: int, num_stages: int):
@@ -334,8 +340,10 @@ def _adamw_step(optimizer: optax.GradientTransformation, out_shardings: Any = No
 
 def _staged_shardings(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Returns for each leaf of staged params or optimizer state its placement on the mesh:
-    ``[num_devices, L]`` rows split over ``pp``, everything else (step counts) replicated."""
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pp"))
+    ``[num_devices, L]`` rows split over ``pp`` (and their blocks over ``tp``), everything
+    else (step counts) replicated."""
+    tp = "tp" if "tp" in mesh.axis_names else None
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pp", tp))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.tree.map(lambda x: rows if np.ndim(x) == 2 else replicated, tree)
 
@@ -381,8 +389,8 @@ def run_demo(
 
     started = time.perf_counter()
     _check_config(config)
-    request_cpu_devices(config.devices)
-    mesh = _pp_mesh(config.devices)
+    request_cpu_devices(config.devices and config.devices * config.tp)
+    mesh = _pp_mesh(config.devices, config.tp)
     num_devices = int(mesh.shape["pp"])
     num_stages = config.stages or num_devices * (
         2 if config.schedule in TWO_STAGES_PER_DEVICE else 1
@@ -416,6 +424,7 @@ def run_demo(
         schedule=schedule,
         num_microbatches=config.microbatches,
         num_stages=num_stages,
+        param_specs=gpt.tensor_parallel_specs(params, "tp", config.tp) if config.tp > 1 else None,
     )
     # The user-layout optimizer (the reference run's); the pipelined steps run it per leaf.
     optimizer = optax.adamw(config.lr, weight_decay=config.weight_decay, mask=matrices)

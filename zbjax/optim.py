@@ -371,6 +371,10 @@ def per_leaf(
             axis_names={a for a in mesh.axis_names if a != tensor_axis},
             check_vma=False,
         )
+        if tensor_axis is not None:
+            # Called eagerly, a shard_map with an axis left to the compiler fails in JAX's
+            # eager path (it checks the outputs against specs naming only manual axes).
+            fn = jax.jit(fn)
         try:
             return fn(*place_for_shard_map(mesh, tuple(args), tuple(specs)))
         except NotImplementedError as e:

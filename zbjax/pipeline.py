@@ -555,7 +555,14 @@ class Pipeline:
         lines = [
             f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
             f"{self.num_devices} devices (axis {self.axis_name!r}), "
-            f"{self.num_microbatches} microbatches",
+            + (
+                f"each stage split over the {self.mesh.shape[self.tensor_axis]} devices of "
+                f"tensor axis {self.tensor_axis!r}, "
+                if self.tensor_axis is not None
+                else ""
+            )
+            + (f"data parallel over {self.data_axes}, " if self.data_axes else "")
+            + f"{self.num_microbatches} microbatches",
             "",
             "stages:",
             stage_summary(built.graph),
