@@ -262,6 +262,7 @@ _ELEMENTWISE = frozenset(
         "neg",
         "nextafter",
         "not",
+        "one_minus_square",
         "or",
         "pow",
         "real",
