@@ -7,6 +7,7 @@ equal ``jax.value_and_grad`` of the unpipelined function for every schedule.
 
 import dataclasses
 import warnings
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -146,35 +147,25 @@ def test_optax_steps_on_split_staged_params():
     assert _max_diff(pipe.unstage(staged), ref) < 1e-6
 
 
-@pytest.mark.parametrize("flavour", ["loop-1f1b", "scan-zb-v"])
-def test_gpt_megatron_split_with_tied_embedding(flavour):
-    """The reference GPT split Megatron-style (``gpt.tensor_parallel_specs``): its token
-    embedding, split over the vocabulary, is also the LM head on the last stage's device."""
-    if flavour == "loop-1f1b":
-        cfg = gpt.GPTConfig(num_layers=4, stage_boundaries=(1,))
-        module, schedule, kwargs = gpt, "1f1b", {}
+def _tp_gpt(cfg, flavour, schedule, microbatches, batch_size):
+    """Returns (pipe, loss_fn, params, batch) of the reference GPT (``"loop"``: markers after
+    block 1; ``"scan"``: ``gpt_scan`` cut into 4 stages) split by its tensor_parallel_specs."""
+    if flavour == "loop":
+        module, cfg, kwargs = gpt, dataclasses.replace(cfg, stage_boundaries=(1,)), {}
     else:
-        cfg = gpt.GPTConfig(num_layers=4)
-        module, schedule, kwargs = gpt_scan, "zb-v", {"num_stages": 4}
+        module, kwargs = gpt_scan, {"num_stages": 4}
     params = module.init_params(jax.random.key(0), cfg)
     loss_fn = module.make_loss_fn(cfg)
-    batch = gpt.make_batch(jax.random.key(1), cfg, 16)
+    batch = gpt.make_batch(jax.random.key(1), cfg, batch_size)
     pipe = zbjax.pipeline(
         loss_fn,
         mesh=_mesh(),
         schedule=schedule,
-        num_microbatches=4,
+        num_microbatches=microbatches,
         param_specs=gpt.tensor_parallel_specs(params),
         **kwargs,
     )
-    staged = pipe.stage(params, batch)
-    loss, grads = jax.jit(pipe.value_and_grad)(staged, batch)
-    want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
-    assert _max_diff(pipe.unstage(grads), want_grads) < 1e-6
-    np.testing.assert_allclose(
-        float(pipe.global_norm(grads)), float(optax.tree.norm(want_grads)), rtol=1e-5
-    )
+    return pipe, loss_fn, params, batch
 
 
 def test_layout_round_trip_with_tied_row_ranges_and_splits():
@@ -349,28 +340,22 @@ TP_TRANSFORMS = {
 
 
 def _tp_case(flavour):
-    if flavour == "loop-zb-h1":
-        cfg = dataclasses.replace(TP_CFG, stage_boundaries=(1,))
-        module, schedule, kwargs = gpt, "zb-h1", {}
-    else:
-        module, schedule, kwargs = gpt_scan, "zb-v", {"num_stages": 4}
-        cfg = TP_CFG
-    params = module.init_params(jax.random.key(0), cfg)
-    loss_fn = module.make_loss_fn(cfg)
-    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
-    pipe = zbjax.pipeline(
-        loss_fn,
-        mesh=_mesh(),
-        schedule=schedule,
-        num_microbatches=2,
-        param_specs=gpt.tensor_parallel_specs(params),
-        **kwargs,
-    )
+    kind, schedule = flavour.split("-", 1)
+    pipe, loss_fn, params, batch = _tp_gpt(TP_CFG, kind, schedule, 2, 8)
     staged = pipe.stage(params, batch)
-    _, ref_grads = reference_value_and_grad(loss_fn, params, batch, 2)
-    return pipe, params, staged, pipe.stage(ref_grads), ref_grads
+    ref_loss, ref_grads = reference_value_and_grad(loss_fn, params, batch, 2)
+    return SimpleNamespace(
+        pipe=pipe,
+        params=params,
+        batch=batch,
+        staged=staged,
+        ref_loss=ref_loss,
+        ref_grads=ref_grads,
+        grads=pipe.stage(ref_grads),  # staged: each copy of the tied leaf holds its gradient
+    )
 
 
+# Shared by the step and the optimizer tests (each builds its pipeline once).
 @pytest.fixture(scope="module")
 def tp_loop_case():
     return _tp_case("loop-zb-h1")
@@ -379,6 +364,20 @@ def tp_loop_case():
 @pytest.fixture(scope="module")
 def tp_scan_case():
     return _tp_case("scan-zb-v")
+
+
+@pytest.mark.parametrize("flavour", ["loop", "scan"])
+def test_gpt_megatron_split_with_tied_embedding(flavour, request):
+    """The reference GPT split by ``gpt.tensor_parallel_specs`` (loop GPT under zb-h1, nn.scan
+    GPT under zb-v): its token embedding, split over the vocabulary, is also the LM head on
+    the last stage's device."""
+    case = request.getfixturevalue(f"tp_{flavour}_case")
+    loss, grads = jax.jit(case.pipe.value_and_grad)(case.staged, case.batch)
+    np.testing.assert_allclose(float(loss), float(case.ref_loss), rtol=1e-6)
+    assert _max_diff(case.pipe.unstage(grads), case.ref_grads) < 1e-6
+    np.testing.assert_allclose(
+        float(case.pipe.global_norm(grads)), float(optax.tree.norm(case.ref_grads)), rtol=1e-5
+    )
 
 
 def _two_steps(tx, params, grads):
@@ -390,7 +389,13 @@ def _two_steps(tx, params, grads):
 
 
 def _check_per_leaf(case, name):
-    pipe, params, staged, grads, ref_grads = case
+    pipe, params, staged, grads, ref_grads = (
+        case.pipe,
+        case.params,
+        case.staged,
+        case.grads,
+        case.ref_grads,
+    )
     make = TP_TRANSFORMS[name]
     tx = optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(make()))
     got = jax.jit(lambda p, g: _two_steps(tx, p, g))(staged, grads)
@@ -414,7 +419,7 @@ def test_per_leaf_on_split_scan_layers_and_its_state_holds_parts(tp_scan_case):
     _check_per_leaf(tp_scan_case, "adamw with a decay mask")
     # Adam's two moments per leaf hold each device's part, as its params row does: at most
     # twice the row per block (whole copies of the split leaves would not fit).
-    pipe, _, staged, _, _ = tp_scan_case
+    pipe, staged = tp_scan_case.pipe, tp_scan_case.staged
     # Called eagerly, outside a jit, as a user may.
     state = pipe.per_leaf(TP_TRANSFORMS["adamw with a decay mask"]()).init(staged)
     layout = pipe.lowering.layout
