@@ -472,7 +472,7 @@ def lower(
     splits, tensor_size = None, 1
     if tensor is not None:
         tensor_size = tensor[1]
-        splits = [_tensor_splits(graph.stages[p.stage.index], p, tensor) for p in programs]
+        splits = [_tensor_splits(p, tensor) for p in programs]
     slot_layouts, tables, capacities = _slots_and_tables(
         programs, slot_dtypes, schedule, graph, positions, splits, tensor_size
     )
@@ -510,12 +510,12 @@ def lower(
     )
 
 
-def _tensor_splits(stage: Any, program: StageProgram, tensor: tuple) -> tuple[list, list]:
+def _tensor_splits(program: StageProgram, tensor: tuple) -> tuple[list, list]:
     """Returns (per residual, per stash value) the dimension a stage computes it split along
     over the tensor axis (``tensor.value_splits`` from its params' splits), None for whole."""
     _, size, leaf_split = tensor
     forward_in = len(program.forward.in_avals)
-    param_splits = [leaf_split[leaf] for leaf in stage.param_leaves]
+    param_splits = [leaf_split[leaf] for leaf in program.stage.param_leaves]
     outs = value_splits(
         program.forward, param_splits + [None] * (forward_in - len(param_splits)), size
     )

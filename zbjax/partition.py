@@ -96,6 +96,7 @@ def partition(
     key: Any = None,
     assign: Callable[[ClosedJaxpr, int], Sequence[int]] | None = None,
     has_aux: bool = False,
+    tensor_axis: str | None = None,
 ) -> StageGraph:
     """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
 
@@ -110,6 +111,8 @@ def partition(
     With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` as for ``jax.value_and_grad(...,
     has_aux=True)``; the aux leaves (floating arrays) are outputs of the loss stage, carried
     to it from the stages that compute them, and ``graph.aux_treedef`` rebuilds the pytree.
+    ``tensor_axis`` (the pipeline's ``param_specs`` axis) is a mesh axis over which sharding
+    annotations in ``loss_fn`` draw no warning: the pipeline splits the stages over it.
     """
     if num_stages is not None and num_stages < 1:
         raise PartitionError(f"num_stages={num_stages}; ask for at least 1 stage")
@@ -117,7 +120,7 @@ def partition(
     param_avals, params_treedef = _flat_avals(params)
     batch_avals, batch_treedef = _flat_avals(batch)
     program = _traced(
-        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux
+        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux, tensor_axis
     )
     with no_mesh_context():  # the stage programs must not record the caller's mesh
         return _partition(
@@ -211,6 +214,7 @@ def _traced(
     batch_avals: Sequence[jax.ShapeDtypeStruct],
     key: Any,
     has_aux: bool = False,
+    tensor_axis: str | None = None,
 ) -> _Program:
     """Returns ``_trace``'s program, traced once per (loss_fn, shapes) for repeated cuts.
 
@@ -221,8 +225,8 @@ def _traced(
     try:
         hash(args)
     except TypeError:  # an unhashable loss_fn: trace without the cache
-        return _trace(*args, key, has_aux)
-    return _trace_cached(*args, key is not None, has_aux)
+        return _trace(*args, key, has_aux, tensor_axis)
+    return _trace_cached(*args, key is not None, has_aux, tensor_axis)
 
 
 @functools.lru_cache(maxsize=4)
@@ -234,9 +238,12 @@ def _trace_cached(
     batch_avals: tuple[jax.ShapeDtypeStruct, ...],
     has_key: bool,
     has_aux: bool,
+    tensor_axis: str | None,
 ) -> _Program:
     key = True if has_key else None
-    return _trace(loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux)
+    return _trace(
+        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux, tensor_axis
+    )
 
 
 def _trace(
@@ -247,6 +254,7 @@ def _trace(
     batch_avals: Sequence[jax.ShapeDtypeStruct],
     key: Any,
     has_aux: bool = False,
+    tensor_axis: str | None = None,
 ) -> _Program:
     num_params = len(param_avals)
     aux: list = []  # with has_aux: (treedef, key paths) of the aux pytree, set while tracing
@@ -272,7 +280,7 @@ def _trace(
 
     closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
     closed, annotations = strip_sharding_annotations(closed)
-    _warn_model_sharding(annotations, batch_avals)
+    _warn_model_sharding(annotations, batch_avals, tensor_axis)
     out_avals = closed.out_avals
     loss_avals = out_avals[:1] if has_aux else out_avals
     if len(loss_avals) != 1 or loss_avals[0].shape != () or not has_cotangent(loss_avals[0].dtype):
@@ -292,18 +300,21 @@ def _trace(
 
 
 def _warn_model_sharding(
-    annotations: Sequence[tuple[Any, tuple[int, ...]]], batch_avals: Sequence[Any]
+    annotations: Sequence[tuple[Any, tuple[int, ...]]],
+    batch_avals: Sequence[Any],
+    tensor_axis: str | None = None,
 ) -> None:
     """Warns when ``loss_fn`` shards values other than by their batch rows (tensor or fully
-    sharded data parallelism): the pipeline drops its sharding annotations, and the mesh axes
-    other than the pipeline axis split every microbatch's rows instead."""
+    sharded data parallelism) over an axis other than ``tensor_axis``: the pipeline drops its
+    sharding annotations, and the mesh axes other than the pipeline and tensor axes split
+    every microbatch's rows instead."""
     rows = {a.shape[0] for a in batch_avals if len(a.shape)}
     axes = sorted(
         {
             name
             for sharding, shape in annotations
             for dim, name in sharded_axes(sharding)
-            if dim > 0 or not shape or shape[0] not in rows
+            if (dim > 0 or not shape or shape[0] not in rows) and name != tensor_axis
         }
     )
     if axes:

@@ -45,11 +45,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -695,14 +693,7 @@ class Pipeline:
             size = int(self.mesh.shape[axis]) if axis is not None else 1
             splits = leaf_splits(self.param_specs, params_avals, axis, size)
             tensor = (axis, size, splits) if axis is not None else None
-        with warnings.catch_warnings():
-            if self.tensor_axis is not None:
-                # Annotations over the tensor axis alone are what param_specs carries out.
-                axes = re.escape(repr((self.tensor_axis,)))
-                warnings.filterwarnings(
-                    "ignore", f"loss_fn shards model dimensions over mesh axes {axes}"
-                )
-            kind, parted = self._partition(params_avals, micro, key_aval)
+        kind, parted = self._partition(params_avals, micro, key_aval)
         graph = parted.graph
         if tensor is not None:
             paths = jax.tree_util.tree_leaves_with_path(params_avals)
@@ -777,7 +768,14 @@ class Pipeline:
         return kind, _Partitioned(graph)
 
     def _cut(self, params_avals: Any, micro: Any, **kwargs: Any) -> StageGraph:
-        return partition(self.loss_fn, params_avals, micro, has_aux=self.has_aux, **kwargs)
+        return partition(
+            self.loss_fn,
+            params_avals,
+            micro,
+            has_aux=self.has_aux,
+            tensor_axis=self.tensor_axis,
+            **kwargs,
+        )
 
     def _graph_partition(self, params_avals: Any, micro: Any, key_aval: Any) -> _Partitioned:
         """Returns GraphPipe's stage DAG of the traced program over the pp devices."""

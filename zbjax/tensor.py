@@ -404,14 +404,17 @@ def _reshape_split(
 
 
 def _inner_jaxpr(eqn: Any) -> Any:
-    """Returns the jaxpr a call-like equation runs on its operands (jit, custom_jvp/vjp, remat),
-    None for other equations."""
+    """Returns the jaxpr a call-like equation runs on its last operands (jit, custom_jvp/vjp,
+    remat), None for other equations (control flow among them)."""
+    if eqn.primitive.name in ("scan", "while", "cond"):
+        return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
         inner = getattr(inner, "jaxpr", inner)
-        if inner is not None and hasattr(inner, "eqns") and len(inner.invars) <= len(eqn.invars):
-            if eqn.primitive.name in ("scan", "while", "cond"):
-                return None
-            if len(inner.outvars) == len(eqn.outvars):
-                return inner
+        if (
+            hasattr(inner, "eqns")
+            and len(inner.invars) <= len(eqn.invars)
+            and len(inner.outvars) == len(eqn.outvars)
+        ):
+            return inner
     return None
