@@ -705,44 +705,47 @@ def _slot_index(slot: jax.Array, offset: int) -> tuple:
     return slot, jnp.asarray(offset, slot.dtype)
 
 
-def _read_slot(
-    buffers: Sequence[jax.Array], slot: jax.Array, item: tuple, tensor_axis: str | None = None
-) -> jax.Array:
-    """Returns the value ``item`` names in slot ``slot`` of its dtype's pool. Over a tensor
-    axis (pools ``[slots, T, capacity]``, split over it along T) each device reads its part
-    and the value comes out split as ``item`` says."""
-    k, offset, shape, split = item
-    size = int(np.prod(shape, dtype=np.int64))
-    pool = buffers[k]
-    if tensor_axis is None:
-        flat = jax.lax.dynamic_slice(pool, _slot_index(slot, offset), (1, size))
-        return flat.reshape(shape)
-    slot, offset = _slot_index(slot, offset)
-    start = (slot, jnp.zeros_like(slot), offset)
-    blocks = jax.lax.dynamic_slice(pool, start, (1, pool.shape[1], size))[0]
-    return from_blocks(tensor_axis, [blocks], [shape], [split])[0]
+def _read_slots(reads: Sequence[tuple], tensor_axis: str | None = None) -> list[jax.Array]:
+    """Returns the values ``reads`` name, each (buffers, slot, item): the value ``item`` names
+    in slot ``slot`` of its dtype's pool in ``buffers``. Over a tensor axis (pools ``[slots,
+    T, capacity]``, split over it along T) each device reads its parts, which one nested
+    ``shard_map`` for all of them turns into values split as their items say."""
+    out, blocks, shapes, splits = [], [], [], []
+    for buffers, slot, (k, offset, shape, split) in reads:
+        size = int(np.prod(shape, dtype=np.int64))
+        pool = buffers[k]
+        slot, offset = _slot_index(slot, offset)
+        if tensor_axis is None:
+            out.append(jax.lax.dynamic_slice(pool, (slot, offset), (1, size)).reshape(shape))
+            continue
+        start = (slot, jnp.zeros_like(slot), offset)
+        blocks.append(jax.lax.dynamic_slice(pool, start, (1, pool.shape[1], size))[0])
+        shapes.append(shape)
+        splits.append(split)
+    if tensor_axis is None or not reads:
+        return out
+    return from_blocks(tensor_axis, blocks, shapes, splits)
 
 
-def _write_slot(
-    buffers: list[jax.Array],
-    slot: jax.Array,
-    item: tuple,
-    value: jax.Array,
-    tensor_axis: str | None = None,
-) -> None:
-    """Writes ``value`` where ``item`` says in slot ``slot`` (see ``_read_slot``)."""
-    k, offset, _, split = item
-    pool = buffers[k]
-    value = jnp.asarray(value).astype(pool.dtype)
-    if tensor_axis is None:
-        buffers[k] = jax.lax.dynamic_update_slice(
-            pool, jnp.ravel(value)[None], _slot_index(slot, offset)
-        )
+def _write_slots(writes: Sequence[tuple], tensor_axis: str | None = None) -> None:
+    """Writes values where ``writes`` say, each (buffers, slot, item, value): ``value`` where
+    ``item`` says in slot ``slot`` of its dtype's pool in ``buffers`` (a list, updated in
+    place; see ``_read_slots``; over a tensor axis one nested ``shard_map`` cuts every value
+    into its parts)."""
+    if not writes:
         return
-    slot, offset = _slot_index(slot, offset)
-    blocks = to_blocks(tensor_axis, [value], [split])
-    start = (slot, jnp.zeros_like(slot), offset)
-    buffers[k] = jax.lax.dynamic_update_slice(pool, blocks[None], start)
+    values = [jnp.asarray(value).astype(b[item[0]].dtype) for b, _, item, value in writes]
+    if tensor_axis is None:
+        flats = [jnp.ravel(v)[None] for v in values]
+    else:
+        flats = to_blocks(tensor_axis, values, [item[3] for _, _, item, _ in writes], each=True)
+    for (buffers, slot, (k, offset, *_), _), flat in zip(writes, flats, strict=True):
+        slot, offset = _slot_index(slot, offset)
+        if tensor_axis is None:
+            start = (slot, offset)
+        else:
+            start, flat = (slot, jnp.zeros_like(slot), offset), flat[None]
+        buffers[k] = jax.lax.dynamic_update_slice(buffers[k], flat, start)
 
 
 @dataclass(frozen=True)
@@ -912,22 +915,32 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 "stash": (stash_buf, ctx["stash_read"]),
             }
 
-            def value(where, what):
-                if where == "overlay":
-                    item = overlay_item(what)
-                    return _read_slot(residual_buf, ctx["residual_read"], item, tensor_axis)
-                if where in pools:
-                    return _read_slot(*pools[where], what, tensor_axis)
-                if where == "param":
-                    return params[what]
-                return batch_mb(what)
+            def read(positions):
+                # The values at ``positions``, those in slots read together.
+                def where_found(where, what):
+                    if where == "overlay":
+                        return residual_buf, ctx["residual_read"], overlay_item(what)
+                    return (*pools[where], what)
 
-            out = [None if i in apart else value(*src) for i, src in enumerate(sources)]
+                in_slots = [i for i in positions if sources[i][0] in (*pools, "overlay")]
+                found = dict(
+                    zip(
+                        in_slots,
+                        _read_slots([where_found(*sources[i]) for i in in_slots], tensor_axis),
+                        strict=True,
+                    )
+                )
+                for i in positions:
+                    where, what = sources[i]
+                    if i not in found:
+                        found[i] = params[what] if where == "param" else batch_mb(what)
+                return [found[i] for i in positions]
+
+            together = [i for i in range(len(sources)) if i not in apart]
+            out = dict(zip(together, read(together), strict=True))
             if apart:
-                read = read_apart(lambda: [value(*sources[i]) for i in apart], ctx["code"])
-                for i, v in zip(apart, read, strict=True):
-                    out[i] = v
-            return out
+                out.update(zip(apart, read_apart(lambda: read(apart), ctx["code"]), strict=True))
+            return [out[i] for i in range(len(sources))]
 
         with jax.named_scope(name):
             if kind == FORWARD:
@@ -952,9 +965,12 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     "residual": (residual_buf, ctx["residual_write"]),
                     "kept": (kept_buf, ctx["kept_write"]),
                 }
-                for (where, item), value in zip(slots.residuals, residuals, strict=True):
-                    if where in writes:
-                        _write_slot(*writes[where], item, value, tensor_axis)
+                stored = [
+                    (*writes[where], item, value)
+                    for (where, item), value in zip(slots.residuals, residuals, strict=True)
+                    if where in writes
+                ]
+                _write_slots(stored, tensor_axis)
             elif kind in (BACKWARD_INPUT, BACKWARD):
                 jaxpr = program.backward_input if kind == BACKWARD_INPUT else program.backward
 
@@ -970,17 +986,14 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 in_cts, rest = outs[:n_in_cts], outs[n_in_cts:]
                 sends = input_cotangent_sends(sends, in_cts, ctx["send_position"])
                 if kind == BACKWARD_INPUT:
-                    for (where, item), value in zip(slots.stash, rest, strict=True):
-                        if where == "stash":
-                            _write_slot(stash_buf, ctx["stash_write"], item, value, tensor_axis)
-                        elif where == "overlay":
-                            _write_slot(
-                                residual_buf,
-                                ctx["residual_read"],
-                                overlay_item(item),
-                                value,
-                                tensor_axis,
-                            )
+                    stashed = [
+                        (stash_buf, ctx["stash_write"], item, value)
+                        if where == "stash"
+                        else (residual_buf, ctx["residual_read"], overlay_item(item), value)
+                        for (where, item), value in zip(slots.stash, rest, strict=True)
+                        if where in ("stash", "overlay")
+                    ]
+                    _write_slots(stashed, tensor_axis)
                 else:
                     _add_gradients(layout, stage_index, grads, rest)
             else:  # BACKWARD_WEIGHT

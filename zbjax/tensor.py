@@ -43,16 +43,22 @@ def per_shard(axis: str, fn: Any, in_specs: Any, out_specs: Any) -> Any:
     )
 
 
-def to_blocks(axis: str, values: Sequence[Any], splits: Sequence[int | None]) -> Any:
+def to_blocks(
+    axis: str, values: Sequence[Any], splits: Sequence[int | None], each: bool = False
+) -> Any:
     """Returns ``values``, each split along ``splits[i]`` over ``axis`` (None: whole), raveled
-    and put side by side as each device's block: a ``[T, n]`` array split over ``axis``."""
+    and put side by side as each device's block: a ``[T, n]`` array split over ``axis``; with
+    ``each``, a list of such blocks, one per value (one nested ``shard_map`` all the same)."""
 
     def local(values):
-        flat = [jax.numpy.ravel(v) for v in values]
-        return (jax.numpy.concatenate(flat) if len(flat) > 1 else flat[0])[None]
+        flat = [jax.numpy.ravel(v)[None] for v in values]
+        if each:
+            return flat
+        return jax.numpy.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
 
     specs = [split_spec(axis, s) for s in splits]
-    return per_shard(axis, local, (specs,), PartitionSpec(axis))(list(values))
+    out_specs = [PartitionSpec(axis)] * len(values) if each else PartitionSpec(axis)
+    return per_shard(axis, local, (specs,), out_specs)(list(values))
 
 
 def from_blocks(
