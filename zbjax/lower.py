@@ -697,34 +697,38 @@ def read_apart(read: Callable[[], Any], code: jax.Array) -> Any:
     )
 
 
-def _slot_index(slot: jax.Array, offset: int) -> tuple:
-    """Returns the start index (slot, offset) in one integer dtype, ``slot``'s: with
-    ``jax_enable_x64`` a Python int would be int64 beside the int32 slot, which the dynamic
-    slices refuse."""
+def _slot_start(slot: jax.Array, offset: int, blocked: bool) -> tuple:
+    """Returns the start index of (``slot``, [block 0,] ``offset``) in one integer dtype,
+    ``slot``'s (with ``jax_enable_x64`` a Python int would be int64 beside the int32 slot,
+    which the dynamic slices refuse), the constants as NumPy scalars, which the dynamic slices
+    take as they are, adding no equations to the trace."""
     slot = jnp.asarray(slot)
-    return slot, jnp.asarray(offset, slot.dtype)
+    const = slot.dtype.type
+    return (slot, const(0), const(offset)) if blocked else (slot, const(offset))
 
 
 def _read_slots(reads: Sequence[tuple], tensor_axis: str | None = None) -> list[jax.Array]:
     """Returns the values ``reads`` name, each (buffers, slot, item): the value ``item`` names
     in slot ``slot`` of its dtype's pool in ``buffers``. Over a tensor axis (pools ``[slots,
     T, capacity]``, split over it along T) each device reads its parts, which one nested
-    ``shard_map`` for all of them turns into values split as their items say."""
-    out, blocks, shapes, splits = [], [], [], []
+    ``shard_map`` for all of them turns into values split as their items say.
+
+    Slots and offsets are never negative, so the slices skip JAX's wrapping of negative
+    indices (three equations per index): a stage's B reads tens of residuals at every tick."""
+    blocked = tensor_axis is not None
+    out, shapes, splits = [], [], []
     for buffers, slot, (k, offset, shape, split) in reads:
         size = int(np.prod(shape, dtype=np.int64))
         pool = buffers[k]
-        slot, offset = _slot_index(slot, offset)
-        if tensor_axis is None:
-            out.append(jax.lax.dynamic_slice(pool, (slot, offset), (1, size)).reshape(shape))
-            continue
-        start = (slot, jnp.zeros_like(slot), offset)
-        blocks.append(jax.lax.dynamic_slice(pool, start, (1, pool.shape[1], size))[0])
+        sizes = (1, pool.shape[1], size) if blocked else (1, size)
+        start = _slot_start(slot, offset, blocked)
+        value = jax.lax.dynamic_slice(pool, start, sizes, allow_negative_indices=False)
+        out.append(jnp.reshape(value, sizes[1:] if blocked else shape))
         shapes.append(shape)
         splits.append(split)
-    if tensor_axis is None or not reads:
+    if not blocked or not reads:
         return out
-    return from_blocks(tensor_axis, blocks, shapes, splits)
+    return from_blocks(tensor_axis, out, shapes, splits)
 
 
 def _write_slots(writes: Sequence[tuple], tensor_axis: str | None = None) -> None:
@@ -734,18 +738,23 @@ def _write_slots(writes: Sequence[tuple], tensor_axis: str | None = None) -> Non
     into its parts)."""
     if not writes:
         return
-    values = [jnp.asarray(value).astype(b[item[0]].dtype) for b, _, item, value in writes]
-    if tensor_axis is None:
-        flats = [jnp.ravel(v)[None] for v in values]
-    else:
+    values = [_as_dtype(value, b[item[0]].dtype) for b, _, item, value in writes]
+    blocked = tensor_axis is not None
+    if blocked:
         flats = to_blocks(tensor_axis, values, [item[3] for _, _, item, _ in writes], each=True)
+    else:
+        flats = values
     for (buffers, slot, (k, offset, *_), _), flat in zip(writes, flats, strict=True):
-        slot, offset = _slot_index(slot, offset)
-        if tensor_axis is None:
-            start = (slot, offset)
-        else:
-            start, flat = (slot, jnp.zeros_like(slot), offset), flat[None]
-        buffers[k] = jax.lax.dynamic_update_slice(buffers[k], flat, start)
+        pool = buffers[k]
+        flat = jnp.reshape(flat, (1, *pool.shape[1:-1], -1))
+        start = _slot_start(slot, offset, blocked)
+        buffers[k] = jax.lax.dynamic_update_slice(pool, flat, start, allow_negative_indices=False)
+
+
+def _as_dtype(value: Any, dtype: Any) -> jax.Array:
+    """Returns ``value`` as an array of ``dtype``, adding no conversion when it is one."""
+    value = jnp.asarray(value)
+    return value if value.dtype == dtype else jax.lax.convert_element_type(value, dtype)
 
 
 @dataclass(frozen=True)
