@@ -139,7 +139,7 @@ def unpack(p: Packing, flats: Sequence[jax.Array]) -> list[jax.Array]:
     out = []
     for k, offset, shape, _ in p.items:
         size = int(np.prod(shape, dtype=np.int64))
-        out.append(flats[k][offset : offset + size].reshape(shape))
+        out.append(jnp.reshape(jax.lax.slice_in_dim(flats[k], offset, offset + size), shape))
     return out
 
 
@@ -862,7 +862,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
             flats = pack(edge_packing[e], values_of_edge(e), msg_cap)
             for t in range(len(msg_dtypes)):
                 start = send_position[j] * msg_cap[t]
-                sends[k][t] = jax.lax.dynamic_update_slice(sends[k][t], flats[t], (start,))
+                sends[k][t] = jax.lax.dynamic_update_slice(
+                    sends[k][t], flats[t], (start,), allow_negative_indices=False
+                )
         return sends
 
     def incoming(message_buf, msg_read):
@@ -870,7 +872,10 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
         out = {}
         for j, e in enumerate(reads):
             flats = [
-                jax.lax.dynamic_index_in_dim(b, msg_read[j], keepdims=False) for b in message_buf
+                jax.lax.dynamic_index_in_dim(
+                    b, msg_read[j], keepdims=False, allow_negative_indices=False
+                )
+                for b in message_buf
             ]
             out[e] = unpack(edge_packing[e], flats)
         return out
@@ -909,7 +914,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
 
         def batch_mb(j):
             leaf = ctx["batch"][stage.batch_leaves[j]]
-            return jax.lax.dynamic_index_in_dim(leaf, ctx["micro"], keepdims=False)
+            return jax.lax.dynamic_index_in_dim(
+                leaf, ctx["micro"], keepdims=False, allow_negative_indices=False
+            )
 
         def resolve(sources, apart=()):
             # The values ``sources`` name; those at positions ``apart`` read apart.
@@ -1128,7 +1135,11 @@ def _run(
                 for j in range(n):
                     message_buf = [
                         jax.lax.dynamic_update_index_in_dim(
-                            b, p[j * c : (j + 1) * c], msg_write[k, j], 0
+                            b,
+                            p[j * c : (j + 1) * c],
+                            msg_write[k, j],
+                            0,
+                            allow_negative_indices=False,
                         )
                         for b, p, c in zip(message_buf, payload, low.message_capacity, strict=True)
                     ]

@@ -324,10 +324,11 @@ def read_slots(
         row = local_rows[k]
         if layout.tensor_size > 1:
             # The slot's part in every block: [T, size], split over the tensor axis.
-            row = row.reshape(layout.tensor_size, layout.row_size[k])
-            parts.append(row[:, slot.offset : slot.offset + slot.size])
+            row = jnp.reshape(row, (layout.tensor_size, layout.row_size[k]))
+            parts.append(jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size, axis=1))
         else:
-            parts.append(row[slot.offset : slot.offset + slot.size].reshape(slot.shape))
+            part = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
+            parts.append(jnp.reshape(part, slot.shape))
     if layout.tensor_size == 1 or not slots:
         return parts
     shapes = [slot.shape for slot in slots]
