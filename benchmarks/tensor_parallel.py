@@ -137,9 +137,11 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         f"Made by `{COMMAND} --rounds {rounds}` (jax {jax.__version__}, 8 fake CPU devices, "
         f"{os.cpu_count()} cores). The reference GPT ({c.num_layers} blocks, d {c.d_model}, "
         f"{c.num_heads} heads, vocab {c.vocab_size}, seq {c.seq_len}, batch {BATCH}), zb-h1 "
-        "over 2 pp devices, m = 4; tp splits it as `gpt.tensor_parallel_specs` says (each "
-        "MLP Megatron-style, its input projection column-parallel and output projection "
-        "row-parallel; the tied token embedding over the vocabulary; attention replicated). "
+        "over 2 pp devices, m = 4; tp splits it as `gpt.tensor_parallel_specs` says "
+        "(Megatron-style: each block's qkv and MLP input projections column-parallel, qkv "
+        "by whole heads, its attention output and MLP output projections row-parallel; the "
+        "tied token embedding over the vocabulary; LayerNorms and biases after a row-parallel "
+        "projection replicated). "
         "*params* and *temp* are per device "
         "(`memory_analysis()`); *collectives* counts each kind's ops in the compiled HLO; "
         f"*step* is the median over {rounds} alternating rounds, *ratio* the median over "
@@ -163,7 +165,7 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         "",
         "Each device holds its part of each split param and of each activation a stage "
         "computes split (the slot pools keep parts, `tensor.value_splits`); activations "
-        "computed whole (attention, LayerNorm, the residual stream) are held whole on each tp "
+        "computed whole (LayerNorm, the residual stream) are held whole on each tp "
         "device, over more rows per device as dp shrinks, so temp memory grows from pp x dp. "
         "The collectives run on fake CPU devices sharing the cores, which is what the step "
         "ratios measure.",

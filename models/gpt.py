@@ -79,12 +79,16 @@ class GPTConfig:
 
 
 def causal_attention(qkv: jax.Array, num_heads: int) -> jax.Array:
-    """Returns softmax(q k^T / sqrt(d)) v with a causal mask, heads merged: [B, T, D]."""
+    """Returns softmax(q k^T / sqrt(d)) v with a causal mask, heads merged: [B, T, D].
+
+    ``qkv``'s features are laid out head by head, ``[heads, 3, head_dim]`` (Megatron's
+    layout), so that a contiguous split of them over a tensor axis gives each device whole
+    heads, each with its q, k and v."""
     batch, length, three_d = qkv.shape
     d_model = three_d // 3
     head_dim = d_model // num_heads
-    q, k, v = jnp.split(qkv.reshape(batch, length, 3, num_heads, head_dim), 3, axis=2)
-    q, k, v = (t[:, :, 0] for t in (q, k, v))  # [B, T, H, hd]
+    q, k, v = jnp.split(qkv.reshape(batch, length, num_heads, 3, head_dim), 3, axis=3)
+    q, k, v = (t[:, :, :, 0] for t in (q, k, v))  # [B, T, H, hd]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
@@ -240,13 +244,13 @@ def init_params(key: jax.Array, cfg: GPTConfig) -> Params:
     return _init_params(key, weights_config(cfg))
 
 
-# Megatron-style tensor parallelism of the MLP: its input projection column-parallel (kernel
-# and bias split along the output features), its output projection row-parallel (kernel split
-# along the input features); the token embedding split over the vocabulary. Attention stays
-# replicated: the fused qkv kernel's columns are laid out [3, heads, head_dim], so a contiguous
-# split does not follow the heads and XLA regathers it (87 all-gathers in the compiled step of
-# benchmarks/tensor_parallel.py's pp 2 x dp 2 x tp 2 against 39 without it).
+# Megatron-style tensor parallelism: each attention block's qkv projection column-parallel
+# (its features are head by head, so each device gets whole heads) and its output projection
+# row-parallel; the same for each MLP; the token embedding split over the vocabulary.
 _TENSOR_SPLIT = {
+    ("qkv", "kernel"): 1,
+    ("qkv", "bias"): 0,
+    ("attn_proj", "kernel"): 0,
     ("mlp_fc", "kernel"): 1,
     ("mlp_fc", "bias"): 0,
     ("mlp_proj", "kernel"): 0,
@@ -254,17 +258,22 @@ _TENSOR_SPLIT = {
 }
 
 
-def tensor_parallel_specs(params: Params, axis: str = "tp", size: int | None = None) -> Any:
+def tensor_parallel_specs(
+    params: Params, axis: str = "tp", size: int | None = None, num_heads: int | None = None
+) -> Any:
     """Returns a ``PartitionSpec`` per GPT param (this module's, ``gpt_nnx``'s pure dict or
-    ``gpt_scan``'s stacked layers) splitting the MLPs Megatron-style and the token embedding
-    over the vocabulary along mesh ``axis``, for ``zbjax.pipeline(param_specs=...)``: None for
-    a replicated one. With ``size`` (the axis's), a param whose dimension it does not divide
-    (a vocabulary of 61 characters, say) stays replicated."""
+    ``gpt_scan``'s stacked layers) splitting attention and the MLPs Megatron-style and the
+    token embedding over the vocabulary along mesh ``axis``, for
+    ``zbjax.pipeline(param_specs=...)``: None for a replicated one. With ``size`` (the axis's),
+    a param whose dimension it does not divide (a vocabulary of 61 characters, say) stays
+    replicated, and so does attention when ``num_heads`` is given and ``size`` does not divide
+    it (a split through a head is correct, but XLA gathers the heads it cuts)."""
+    whole_heads = size is None or num_heads is None or num_heads % size == 0
 
     def spec(path: tuple, leaf: Any) -> Any:
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         dim = _TENSOR_SPLIT.get(names[-2:])
-        if dim is None:
+        if dim is None or (names[-2] in ("qkv", "attn_proj") and not whole_heads):
             return None
         # gpt_scan stacks the layers' params along a leading axis: shift the split past it.
         base = 1 if names[-1] == "bias" else 2

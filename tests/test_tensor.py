@@ -6,6 +6,7 @@ equal ``jax.value_and_grad`` of the unpipelined function for every schedule.
 """
 
 import dataclasses
+import functools
 import warnings
 from types import SimpleNamespace
 
@@ -282,6 +283,22 @@ def test_value_splits_follow_dimensions():
     assert _splits_of(lambda a: a.reshape(8, 2, 3), w, in_splits=[1]) == [1]
     assert _splits_of(lambda a: a.reshape(8, 3, 2), w, in_splits=[1]) == [None]
     assert _splits_of(lambda a: a[None] + 1.0, w, in_splits=[1]) == [2]
+    # Size-1 dimensions around the split one (a bias broadcast to [1, 1, n]) come and go.
+    b = jnp.zeros(8)
+    assert _splits_of(lambda a: a.reshape(1, 1, 8), b, in_splits=[0]) == [2]
+    assert _splits_of(lambda a: a.reshape(1, 1, 8).reshape(8), b, in_splits=[0]) == [0]
+    # Splits, slices, pads and concatenations along another dimension keep the split.
+    q = jnp.zeros((4, 3, 6))
+    assert _splits_of(lambda a: jnp.split(a, 3, axis=1), q, in_splits=[0]) == [0, 0, 0]
+    assert _splits_of(lambda a: jnp.split(a, 2, axis=0), q, in_splits=[0]) == [None, None]
+    assert _splits_of(lambda a: a[:, 1], q, in_splits=[0]) == [0]
+    assert _splits_of(lambda a: a[:2], q, in_splits=[0]) == [None]
+    assert _splits_of(lambda a: jnp.pad(a, ((0, 0), (1, 0), (0, 0))), q, in_splits=[0]) == [0]
+    assert _splits_of(lambda a: jnp.pad(a, ((1, 1), (0, 0), (0, 0))), q, in_splits=[0]) == [None]
+    cat = [lambda a, b: jnp.concatenate([a, b], 1), lambda a, b: jnp.concatenate([a, b], 0)]
+    assert _splits_of(cat[0], q, q, in_splits=[0, 0]) == [0]
+    assert _splits_of(cat[1], q, q, in_splits=[0, 0]) == [None]
+    assert _splits_of(cat[0], q, q, in_splits=[0, None]) == [None]
     # Through a jitted function; an operation without a rule gives a whole value.
     assert _splits_of(jax.jit(lambda a: jnp.exp(a)), w, in_splits=[1]) == [1]
     assert _splits_of(lambda a: jnp.cumsum(a, 0), w, in_splits=[1]) == [None]
@@ -364,6 +381,24 @@ def tp_loop_case():
 @pytest.fixture(scope="module")
 def tp_scan_case():
     return _tp_case("scan-zb-v")
+
+
+def test_gpt_specs_split_attention_by_whole_heads():
+    """``gpt.tensor_parallel_specs`` splits qkv column-parallel and the attention output
+    row-parallel; qkv's features lie head by head, so each device's part is whole heads and
+    the attention output comes out split (nothing to gather). With more devices than heads,
+    attention stays whole."""
+    cfg = gpt.GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=4, num_layers=1)
+    params = jax.eval_shape(lambda k: gpt.init_params(k, cfg), jax.random.key(0))
+    block = gpt.tensor_parallel_specs(params, "tp", 2, cfg.num_heads)["block_0"]
+    assert block["qkv"] == {"kernel": P(None, "tp"), "bias": P("tp")}
+    assert block["attn_proj"] == {"kernel": P("tp"), "bias": None}
+    qkv = jnp.zeros((2, cfg.seq_len, 3 * cfg.d_model))
+    attention = functools.partial(gpt.causal_attention, num_heads=cfg.num_heads)
+    assert _splits_of(attention, qkv, in_splits=[2]) == [2]
+    whole = gpt.tensor_parallel_specs(params, "tp", 8, cfg.num_heads)["block_0"]
+    assert whole["qkv"] == {"kernel": None, "bias": None} and whole["attn_proj"]["kernel"] is None
+    assert whole["mlp_fc"]["kernel"] == P(None, "tp")
 
 
 @pytest.mark.parametrize("flavour", ["loop", "scan"])

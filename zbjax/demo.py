@@ -424,7 +424,11 @@ def run_demo(
         schedule=schedule,
         num_microbatches=config.microbatches,
         num_stages=num_stages,
-        param_specs=gpt.tensor_parallel_specs(params, "tp", config.tp) if config.tp > 1 else None,
+        param_specs=(
+            gpt.tensor_parallel_specs(params, "tp", config.tp, cfg.num_heads)
+            if config.tp > 1
+            else None
+        ),
     )
     # The user-layout optimizer (the reference run's); the pipelined steps run it per leaf.
     optimizer = optax.adamw(config.lr, weight_decay=config.weight_decay, mask=matrices)

@@ -299,9 +299,10 @@ def value_splits(closed: Any, in_splits: Sequence[int | None], size: int) -> lis
     over a tensor axis of ``size`` devices when its inputs are split as ``in_splits`` say (None:
     whole), by following each equation's dimensions: element-wise operations, matmuls' free
     and batch dimensions, broadcasts, transposes, reshapes that keep the split dimension
-    leading, reductions over other dimensions; anything else, or a dimension the devices do
-    not divide, is whole. A guess at what XLA's partitioner will do: a wrong one costs a
-    resharding between a slot and its reader, never a wrong value.
+    leading, reductions, splits, slices, pads and concatenations along other dimensions;
+    anything else, or a dimension the devices do not divide, is whole. A guess at what XLA's
+    partitioner will do: a wrong one costs a resharding between a slot and its reader, never
+    a wrong value.
     """
     return _propagate(closed.jaxpr, list(in_splits), size)
 
@@ -361,6 +362,17 @@ def _rule(eqn: Any, ins: list, size: int) -> list:
         return [None if s is None or s in dims else s - sum(d < s for d in dims)]
     if name == "reshape":
         return [_reshape_split(_shape(eqn.invars[0]), _shape(eqn.outvars[0]), ins[0], size)]
+    if name == "split":  # pieces along another dimension than the split keep it
+        return [None if ins[0] == params["axis"] else ins[0]] * len(eqn.outvars)
+    if name == "slice":
+        return [_slice_keeps(eqn, ins[0])]
+    if name == "pad":
+        s = ins[0]
+        return [None if s is None or tuple(params["padding_config"][s]) != (0, 0, 0) else s]
+    if name == "concatenate":
+        splits = set(ins)
+        s = splits.pop() if len(splits) == 1 else None
+        return [None if s == params["dimension"] else s]
     inner = _inner_jaxpr(eqn)
     if inner is not None:
         return _propagate(inner, ins[len(ins) - len(inner.invars) :], size)
@@ -388,6 +400,18 @@ def _dot_split(eqn: Any, ins: list) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _slice_keeps(eqn: Any, s: int | None) -> int | None:
+    """Returns ``s`` when a static slice takes all of the split dimension ``s``, else None."""
+    if s is None:
+        return None
+    params = eqn.params
+    strides = params["strides"] or (1,) * len(params["start_indices"])
+    whole = (0, _shape(eqn.invars[0])[s], 1)
+    return (
+        s if (params["start_indices"][s], params["limit_indices"][s], strides[s]) == whole else None
+    )
+
+
 def _reshape_split(
     in_shape: tuple[int, ...], out_shape: tuple[int, ...], s: int | None, size: int
 ) -> int | None:
@@ -398,7 +422,7 @@ def _reshape_split(
     before = int(np.prod(in_shape[:s], dtype=np.int64))
     acc = 1
     for j, n in enumerate(out_shape):
-        if acc == before:
+        if acc == before and n != 1:  # (size-1 dimensions before it come and go)
             # Dimension j starts where s does: s leads it (merged) or it leads s (split).
             if n % size == 0 and (n % in_shape[s] == 0 or in_shape[s] % n == 0):
                 return j
