@@ -21,6 +21,7 @@ run benchmarks/slot_writes.py
 run benchmarks/stash_reads.py
 run benchmarks/memory.py
 run benchmarks/compile_time.py
+run benchmarks/build_time.py
 run benchmarks/optimizer.py
 run benchmarks/tensor_parallel.py
 run benchmarks/step_time.py

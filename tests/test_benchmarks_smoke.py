@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import buffers  # noqa: E402
+import build_time  # noqa: E402
 import bw_in_step  # noqa: E402
 import bw_split  # noqa: E402
 import gpu  # noqa: E402
@@ -376,3 +377,18 @@ def test_gpu_step_time_part_times_every_schedule_and_predicts_from_in_step_costs
     # runs B and W of stage 1 (stage 0's backward may run fused: its B has nothing to do).
     timed = re.search(r"actions timed: 1f1b (\d+) of (\d+), zb-h2 (\d+) of (\d+);", text)
     assert timed and timed[1] == timed[2] == "4" and timed[3] == timed[4] in ("5", "6"), text
+
+
+def test_build_time_splits_the_alike_middle_stages_once_and_tables_both_ways():
+    builds = build_time.measure([8], 1, build_time.SMOKE_SIZES)
+    by = {b.variant: b for b in builds}
+    assert set(by) == set(build_time.VARIANTS)
+    assert by["every stage split"].programs_split == by["every stage split"].stages == 8
+    # Embedding and head stages differ from the blocks between them; the cost model's cuts of
+    # this tiny GPT leave some middle stages one program.
+    once = by["alike stages split once"].programs_split
+    assert 3 <= once < 8
+    assert all(b.lower_s > b.split_s > 0 for b in builds)
+    assert re.search(
+        rf"^\| 8 \| {once} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", build_time.table(builds, [8]), re.M
+    )

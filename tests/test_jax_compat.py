@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from zbjax._jax_compat import (
     add_rows,
     merge_contracting_dims,
+    same_jaxpr,
     scan_counts,
     scan_params,
     set_rows,
@@ -251,3 +252,46 @@ def test_unroll_short_scans_unrolls_only_scans_up_to_the_length_and_keeps_values
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6)
     assert unroll_short_scans(closed, 1) is closed  # nothing to unroll: the same jaxpr
+
+
+def _scan_sum(w, xs, scale):
+    def body(c, x):
+        return c + jnp.tanh(x @ w) * scale, None
+
+    return jax.lax.scan(body, jnp.zeros(xs.shape[1:]), xs)[0]
+
+
+def test_same_jaxpr_holds_for_one_program_traced_twice_and_not_for_any_change():
+    w, x = jnp.ones((4, 4)), jnp.ones((3, 4))
+    table = np.arange(4.0, dtype=np.float32)
+
+    def base(w, x):
+        return jnp.sum(jnp.tanh(x @ w) * 2.0 - x, axis=1)
+
+    variants = {
+        "literal": lambda w, x: jnp.sum(jnp.tanh(x @ w) * 3.0 - x, axis=1),
+        "param": lambda w, x: jnp.sum(jnp.tanh(x @ w) * 2.0 - x, axis=0)[:3],
+        "operands swapped": lambda w, x: jnp.sum(x - jnp.tanh(x @ w) * 2.0, axis=1),
+        "primitive": lambda w, x: jnp.sum(jnp.sin(x @ w) * 2.0 - x, axis=1),
+        "name stack": lambda w, x: jax.named_scope("block_2")(base)(w, x),
+    }
+    # Two traces (make_jaxpr caches by function, so two functions): new variables, same program.
+    first = jax.make_jaxpr(lambda w, x: base(w, x))(w, x)
+    again = jax.make_jaxpr(lambda w, x: base(w, x))(w, x)
+    assert first.jaxpr.invars[0] is not again.jaxpr.invars[0]
+    assert same_jaxpr(first, again)
+    for name, fn in variants.items():
+        assert not same_jaxpr(first, jax.make_jaxpr(fn)(w, x)), name
+
+    # Constants compare by value; a different value or shape is a different program.
+    def with_table(t):
+        return jax.make_jaxpr(lambda x: x @ jnp.ones((4, 4)) + jnp.asarray(t))(x)
+
+    assert with_table(table).consts and same_jaxpr(with_table(table), with_table(table.copy()))
+    assert not same_jaxpr(with_table(table), with_table(table + 1))
+
+    # Nested jaxprs (a scan's body) are compared the same way.
+    xs = jnp.ones((5, 3, 4))
+    scan = jax.make_jaxpr(lambda w, xs: _scan_sum(w, xs, 2.0))(w, xs)
+    assert same_jaxpr(scan, jax.make_jaxpr(lambda w, xs: _scan_sum(w, xs, 2.0))(w, xs))
+    assert not same_jaxpr(scan, jax.make_jaxpr(lambda w, xs: _scan_sum(w, xs, 0.5))(w, xs))

@@ -517,3 +517,55 @@ def test_stages_with_nothing_to_differentiate_have_empty_b_and_zero_w():
 
     program = run_and_check(argmax_only, [_normal(95, (D, D))], [], [_normal(96, (4, D))])
     assert program.residual_avals == () and program.flops_backward == 0
+
+
+def _through_f_bw_b_w(program, args, cts):
+    """Runs F, then BW and B-then-W from F's residuals: (outputs, BW's, B's input cts, W's)."""
+    num_out = len(program.stage.jaxpr.out_avals)
+    outs = jaxpr_as_fun(program.forward)(*args)
+    residuals = outs[num_out:]
+    fused = jaxpr_as_fun(program.backward)(*residuals, *cts)
+    b = jaxpr_as_fun(program.backward_input)(*residuals, *cts)
+    num_in_cts = sum(program.stage.input_differentiable)
+    w = jaxpr_as_fun(program.backward_weight)(*b[num_in_cts:])
+    return outs[:num_out], fused, b[:num_in_cts], w
+
+
+def test_alike_stages_are_split_once_and_take_their_params_in_their_own_order():
+    from models import gpt
+    from zbjax.partition import partition
+    from zbjax.split import alike
+
+    # Blocks 4-7 and 8-11 of a 16-block GPT are one program, but the second stage holds its
+    # params in leaf order: block_10, block_11, block_8, block_9.
+    cfg = gpt.GPTConfig(
+        vocab_size=16, seq_len=8, d_model=16, num_heads=2, num_layers=16,
+        stage_boundaries=(3, 7, 11),
+    )  # fmt: skip
+    params = jax.eval_shape(lambda k: gpt.init_params(k, cfg), jax.random.key(0))  # shapes do
+    batch = jax.eval_shape(lambda k: gpt.make_batch(k, cfg, 2), jax.random.key(1))
+    graph = partition(gpt.make_loss_fn(cfg), params, batch)
+    stages = graph.stages
+    assert len(stages) == 4
+    assert alike(stages[1], stages[2]) and not alike(stages[0], stages[1])
+    assert not alike(stages[1], stages[3])
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    first_leaf = [paths[s.param_leaves[0]] for s in stages[1:3]]
+    assert "block_4" in first_leaf[0] and "block_10" in first_leaf[1]
+
+    programs = split(graph)
+    assert [p.stage for p in programs] == list(stages)
+    shared = programs[2]
+    assert shared.forward.jaxpr.eqns[0] is programs[1].forward.jaxpr.eqns[0]
+    assert shared.backward_weight.jaxpr.eqns[0] is programs[1].backward_weight.jaxpr.eqns[0]
+    assert programs[3].forward.jaxpr.eqns[0] is not programs[1].forward.jaxpr.eqns[0]
+
+    # The shared programs compute what stage 2's own split computes, params in its order.
+    own = split_stage(stages[2])
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    args = [jax.random.normal(next(keys), a.shape, a.dtype) for a in stages[2].jaxpr.in_avals]
+    cts = [jax.random.normal(next(keys), a.shape, a.dtype) for a in stages[2].jaxpr.out_avals]
+    run = jax.jit(_through_f_bw_b_w, static_argnums=0)
+    got, want = run(shared, args, cts), run(own, args, cts)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)

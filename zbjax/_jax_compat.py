@@ -533,6 +533,94 @@ def unroll_short_scans(closed: ClosedJaxpr, max_length: int) -> ClosedJaxpr:
     return make_closed_jaxpr(jaxpr.invars, jaxpr.outvars, eqns, jaxpr.constvars, closed.consts)
 
 
+def same_jaxpr(a: ClosedJaxpr, b: ClosedJaxpr) -> bool:
+    """Returns whether ``a`` and ``b`` are one program written twice: equal constants, and
+    equation by equation the same primitive, params, effects and name stack, reading and
+    writing the same variables up to their names (nested jaxprs compared the same way).
+
+    Whatever is derived from one (its vjp, its split, its lowering) is then right for the
+    other. The comparison errs on the side of "different": a param it cannot compare (a rule
+    held as a function object other than the same one, a traced constant) makes the two
+    differ. Source tracebacks are not compared.
+    """
+    if not _same_list(a.consts, b.consts, _same_value):
+        return False
+    return _same_open(a.jaxpr, b.jaxpr)
+
+
+def _same_list(xs: Sequence[Any], ys: Sequence[Any], same: Callable[[Any, Any], bool]) -> bool:
+    return len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Whether two constants or params are equal (arrays by their elements)."""
+    if x is y:
+        return True
+    if isinstance(x, ClosedJaxpr | Jaxpr) or isinstance(y, ClosedJaxpr | Jaxpr):
+        if type(x) is not type(y):
+            return False
+        return same_jaxpr(x, y) if isinstance(x, ClosedJaxpr) else _same_open(x, y)
+    if isinstance(x, tuple | list) or isinstance(y, tuple | list):
+        return type(x) is type(y) and _same_list(x, y, _same_value)
+    if isinstance(x, dict) or isinstance(y, dict):
+        return (
+            type(x) is type(y) and x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x)
+        )
+    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+        return False  # a traced constant: its value is unknown here
+    if isinstance(x, np.ndarray | jax.Array) or isinstance(y, np.ndarray | jax.Array):
+        if np.shape(x) != np.shape(y) or np.result_type(x) != np.result_type(y):
+            return False
+        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
+    if type(x) is not type(y):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - a value without a usable equality: treat as different
+        return False
+
+
+def _same_open(a: Jaxpr, b: Jaxpr) -> bool:
+    counts = (len(a.constvars), len(a.invars), len(a.outvars), len(a.eqns))
+    if counts != (len(b.constvars), len(b.invars), len(b.outvars), len(b.eqns)):
+        return False
+    names: dict[Var, Var] = {}  # a's variable -> b's
+
+    def define(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
+        for x, y in zip(xs, ys, strict=True):
+            if is_drop_var(x) or is_drop_var(y):
+                if not (is_drop_var(x) and is_drop_var(y) and x.aval == y.aval):
+                    return False
+                continue
+            if x.aval != y.aval:
+                return False
+            names[x] = y
+        return True
+
+    def read(x: Any, y: Any) -> bool:
+        if is_literal(x) or is_literal(y):
+            return (
+                is_literal(x) and is_literal(y) and x.aval == y.aval and _same_value(x.val, y.val)
+            )
+        return names.get(x) is y
+
+    if not define(a.constvars, b.constvars) or not define(a.invars, b.invars):
+        return False
+    for ea, eb in zip(a.eqns, b.eqns, strict=True):
+        if (
+            ea.primitive is not eb.primitive
+            or ea.effects != eb.effects
+            or ea.source_info.name_stack != eb.source_info.name_stack
+            or len(ea.invars) != len(eb.invars)
+            or len(ea.outvars) != len(eb.outvars)
+            or not all(read(x, y) for x, y in zip(ea.invars, eb.invars, strict=True))
+            or not _same_value(ea.params, eb.params)
+            or not define(ea.outvars, eb.outvars)
+        ):
+            return False
+    return all(read(x, y) for x, y in zip(a.outvars, b.outvars, strict=True))
+
+
 # ----------------------------------------------------------------------------------------------
 # Section: sharding annotations (owner: partition engineer)
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ of its own shape and dtype, so W always returns one cotangent per ``param_leaves
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -52,6 +52,7 @@ from zbjax._jax_compat import (
     new_var,
     no_mesh_context,
     replace_equation,
+    same_jaxpr,
     scan_counts,
     scan_params,
     unroll_short_scans,
@@ -63,8 +64,107 @@ from zbjax.stages import Stage, StageGraph, StageProgram, has_cotangent
 
 
 def split(graph: StageGraph) -> tuple[StageProgram, ...]:
-    """Returns the F/B/W/BW programs of every stage of ``graph``, in stage order."""
-    return tuple(split_stage(stage) for stage in graph.stages)
+    """Returns the F/B/W/BW programs of every stage of ``graph``, in stage order.
+
+    Stages that are one program written twice (the middle stages of a stack of identical
+    blocks, each holding its own blocks' params: ``alike``) are differentiated and split once;
+    the others get the first one's programs, their params' order mapped. Differentiating the
+    stages is most of the time building a pipeline takes, which then no longer grows with the
+    depth of such a stack.
+    """
+    programs: list[StageProgram] = []
+    distinct: list[tuple[ClosedJaxpr, tuple[int, ...], StageProgram]] = []
+    for stage in graph.stages:
+        canonical, order = _params_by_first_use(stage)
+        for first_canonical, first_order, first in distinct:
+            if _same_roles(first.stage, stage) and same_jaxpr(first_canonical, canonical):
+                programs.append(_program_for(first, first_order, stage, order))
+                break
+        else:
+            program = split_stage(stage)
+            distinct.append((canonical, order, program))
+            programs.append(program)
+    return tuple(programs)
+
+
+def alike(a: Stage, b: Stage) -> bool:
+    """Returns whether stages ``a`` and ``b`` split into the same programs: the same jaxpr up
+    to variable names and the order of its params (``same_jaxpr`` with the params ordered by
+    first use), as many params and batch leaves, and the same inputs and outputs
+    differentiated. Which leaves they hold, where they sit in the graph and their names may
+    differ."""
+    return _same_roles(a, b) and same_jaxpr(_params_by_first_use(a)[0], _params_by_first_use(b)[0])
+
+
+def _same_roles(a: Stage, b: Stage) -> bool:
+    return (
+        len(a.param_leaves) == len(b.param_leaves)
+        and len(a.batch_leaves) == len(b.batch_leaves)
+        and tuple(a.input_differentiable) == tuple(b.input_differentiable)
+        and tuple(a.output_differentiable) == tuple(b.output_differentiable)
+    )
+
+
+def _params_by_first_use(stage: Stage) -> tuple[ClosedJaxpr, tuple[int, ...]]:
+    """Returns the stage's jaxpr with its params reordered by their first read (equations in
+    order, then outputs; unread params last), and ``order``: the original position of each.
+
+    Params come in the order of the model's leaves, which need not be the order a stage uses
+    them (``blocks_10`` sorts before ``blocks_9``), so two stages of the same blocks can list
+    the same params in different orders."""
+    jaxpr = stage.jaxpr.jaxpr
+    num_params = len(stage.param_leaves)
+    position = {v: k for k, v in enumerate(jaxpr.invars[:num_params])}
+    order: dict[int, None] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not is_literal(v) and v in position:
+                order.setdefault(position[v], None)
+    for v in jaxpr.outvars:
+        if not is_literal(v) and v in position:
+            order.setdefault(position[v], None)
+    for k in range(num_params):
+        order.setdefault(k, None)
+    ordered = tuple(order)
+    if ordered == tuple(range(num_params)):
+        return stage.jaxpr, ordered
+    invars = [jaxpr.invars[k] for k in ordered] + list(jaxpr.invars[num_params:])
+    canonical = make_closed_jaxpr(
+        invars, jaxpr.outvars, jaxpr.eqns, jaxpr.constvars, stage.jaxpr.consts
+    )
+    return canonical, ordered
+
+
+def _program_for(
+    first: StageProgram, first_order: tuple[int, ...], stage: Stage, order: tuple[int, ...]
+) -> StageProgram:
+    """Returns ``first``'s programs for ``stage``, an ``alike`` stage whose params in first-use
+    order sit at ``order`` (``first``'s at ``first_order``): F takes them, and W and BW return
+    their cotangents, in ``stage``'s order."""
+    if order == first_order:
+        return replace(first, stage=stage)
+    source = dict(zip(order, first_order, strict=True))  # stage's position -> first's
+    n = len(order)
+    num_in_cts = sum(stage.input_differentiable)
+
+    def permuted(closed: ClosedJaxpr, invars: list, outvars: list) -> ClosedJaxpr:
+        j = closed.jaxpr
+        return make_closed_jaxpr(invars, outvars, j.eqns, j.constvars, closed.consts)
+
+    fw, bw, w = first.forward, first.backward, first.backward_weight
+    fw_in = fw.jaxpr.invars
+    bw_out = bw.jaxpr.outvars
+    return replace(
+        first,
+        stage=stage,
+        forward=permuted(fw, [fw_in[source[k]] for k in range(n)] + fw_in[n:], fw.jaxpr.outvars),
+        backward=permuted(
+            bw,
+            bw.jaxpr.invars,
+            bw_out[:num_in_cts] + [bw_out[num_in_cts + source[k]] for k in range(n)],
+        ),
+        backward_weight=permuted(w, w.jaxpr.invars, [w.jaxpr.outvars[source[k]] for k in range(n)]),
+    )
 
 
 #: A stage program's ``scan`` of at most this many iterations (a stage's share of the layers of
