@@ -17,11 +17,10 @@ def use_cpu_devices(num_devices: int) -> bool:
     Must run before the first JAX computation; afterwards the backend is fixed and this returns
     False, changing nothing. It also raises XLA's CPU collective timeouts so that fake devices
     sharing few cores wait for each other instead of aborting the process, and turns off the
-    CPU client's asynchronous dispatch: with it, a multi-device computation dispatched while
-    an earlier one still ran on the same fake devices (a test's eager ``jax.value_and_grad``
-    reference right after a pipelined step) deadlocked in a collective now and then, all
-    device threads waiting (jax-ml/jax#25861): twice in the last two runs of the test suite,
-    a hang on jax 0.10.2 and an abort on 0.11.2, after some 800 tests in the process.
+    CPU client's asynchronous dispatch. With it, a test's eager ``jax.value_and_grad``
+    reference computed right after a pipelined step hung with every thread of the process
+    waiting (jax 0.10.2) or aborted inside XLA (0.11.2), about once per whole test run, which
+    looks like JAX's known hang in that dispatch (jax-ml/jax#25861).
     """
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
