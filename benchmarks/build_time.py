@@ -156,7 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     load_before = machine_load()
     builds = measure(args.layers, args.repeats, SIZES)
-    sizes = SIZES
     body = "\n".join(
         [
             "## Building a pipeline: alike stages split once",
@@ -166,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(jax {jax.__version__}, {os.cpu_count()} CPU cores, {DEVICES} fake devices). "
             f"Time of `pipe.lower(params, batch)` for a fresh `zbjax.pipeline(..., "
             f"schedule={SCHEDULE!r}, num_microbatches={MICROBATCHES})` of the reference GPT "
-            f"(d_model {sizes['d_model']}, seq {sizes['seq_len']}, {sizes['num_heads']} "
+            f"(d_model {SIZES['d_model']}, seq {SIZES['seq_len']}, {SIZES['num_heads']} "
             f"heads), cut by the cost model into {DEVICES} stages: trace, partition, split, "
             "schedule, lower to StableHLO (no compile). *Every stage split* differentiates "
             "and splits each stage on its own; *alike stages split once* is `zbjax.split.split`, "
