@@ -9,7 +9,12 @@ import pytest
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
-from zbjax._jax_compat import eval_closed_jaxpr, scan_counts, vmap_independent_scans
+from zbjax._jax_compat import (
+    eval_closed_jaxpr,
+    inline_calls,
+    scan_counts,
+    vmap_independent_scans,
+)
 from zbjax.cost_model import jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
 from zbjax.split import forwarded_residuals, split, split_stage
@@ -418,6 +423,60 @@ def test_parameter_casts_and_slices_are_recomputed_in_the_backward_not_stored():
     for got in (fused, split_outs):
         np.testing.assert_allclose(got[0], want_dx, rtol=2e-2, atol=2e-2)
         np.testing.assert_allclose(got[1], want_dws, rtol=2e-2, atol=2e-2)
+
+
+def _masked_attention(w, x):
+    # A causal mask from iotas (jnp.tril of ones), broadcast over the batch by jnp.where:
+    # the where's backward reads the broadcast mask.
+    scores = jnp.einsum("bqd,bkd->bqk", x @ w, x)
+    causal = jnp.tril(jnp.ones((D, D), dtype=bool))
+    return jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1) @ x
+
+
+def _two_masked_layers_loop(ws, x):
+    for k in range(2):
+        x = _masked_attention(ws[k], x)
+    return (x,)
+
+
+def _two_masked_layers_scan(ws, x):
+    # jax.vjp hoists the body's mask out of the scan, as a call F computes it in.
+    return (jax.lax.scan(lambda x, w: (_masked_attention(w, x), None), x, ws)[0],)
+
+
+@pytest.mark.parametrize(
+    "layers, masks", [(_two_masked_layers_loop, 2), (_two_masked_layers_scan, 1)]
+)
+def test_a_mask_computed_from_no_input_is_recomputed_in_the_backward_not_stored(layers, masks):
+    ws, x = _normal(90, (2, D, D)), _normal(91, (2, D, D))
+    stage = make_stage(layers, [ws], [], [x])
+    # Flat, as the partitioner makes every stage (jnp.tril and jnp.where are jit calls).
+    stage = Stage(**{**stage.__dict__, "jaxpr": inline_calls(stage.jaxpr)})
+    n_out = len(stage.jaxpr.out_avals)
+
+    def stored_masks(program):
+        residuals = program.forward.jaxpr.outvars[n_out:]
+        return [v.aval.shape for v in residuals if v.aval.dtype == jnp.bool_]
+
+    # Stored per microbatch when asked to, which is what jax.vjp leaves; computed again in the
+    # backward otherwise, from iotas, with less stored.
+    storing = split_stage(stage, recompute_constants=False)
+    assert stored_masks(storing) == [(2, D, D)] * masks
+    program = split_stage(stage)
+    assert stored_masks(program) == []
+    assert program.activation_bytes == storing.activation_bytes - masks * 2 * D * D
+    assert any(e.primitive.name == "iota" for e in program.backward.jaxpr.eqns)
+    assert matmul_flops(program.backward) == matmul_flops(storing.backward)
+    forward = _run(program.forward)(ws, x)
+    ct = _normal(92, (2, D, D), 1.0)
+    fused = _run(program.backward)(*forward[n_out:], ct)
+    b_outs = _run(program.backward_input)(*forward[n_out:], ct)
+    split_outs = [b_outs[0], *_run(program.backward_weight)(*b_outs[1:])]
+    _, vjp = jax.vjp(lambda w, v: layers(w, v)[0], ws, x)
+    want_dws, want_dx = vjp(ct)
+    for got in (fused, split_outs):
+        np.testing.assert_allclose(got[0], want_dx, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[1], want_dws, rtol=1e-5, atol=1e-5)
 
 
 def test_split_graph_returns_one_program_per_stage_in_order():

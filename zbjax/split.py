@@ -19,8 +19,9 @@ run unrolled too.
 
 A residual F computes from parameters alone by data movement (a weight's bfloat16 copy in a
 mixed-precision layer) is not stored per microbatch: F returns the parameter, and BW casts it
-again (``_recompute_parameter_residuals``). No matmul runs twice, so matmul FLOPs of B plus W
-equal those of BW exactly. A backward
+again; nor is one F computes from no input at all by cheap elementwise ops (a causal mask),
+which BW computes again (``_recompute_parameter_residuals``). No matmul runs twice, so matmul
+FLOPs of B plus W equal those of BW exactly. A backward
 ``scan`` (layers run with ``lax.scan``/``nn.scan``) computes both kinds of cotangent in one
 equation; it is split into a B scan, which also stacks the per-iteration values W needs, and a
 W scan over those stacked values. Nested scans inside a scan body are not split further (their
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
 from zbjax._jax_compat import (
+    CALL_PRIMITIVES,
     dce_closed_jaxpr,
     inline_calls,
     is_drop_var,
@@ -182,6 +184,7 @@ def split_stage(
     merge_contracting: bool = True,
     unroll_scans: int = UNROLL_SCAN_LENGTH,
     recompute_parameter_casts: bool = True,
+    recompute_constants: bool = True,
 ) -> StageProgram:
     """Returns the stage's forward, split backward (B, W) and fused backward programs.
 
@@ -189,16 +192,21 @@ def split_stage(
     merging adjacent contracting dimensions (``merge_contracting_dims``),
     ``unroll_scans=0`` keeps every ``scan`` a loop, instead of unrolling those of at most
     that many iterations (``unroll_short_scans``), and ``recompute_parameter_casts=False``
-    stores the residuals F computes from parameters alone (a weight's bfloat16 copy) per
-    microbatch, instead of computing them again in the backward
-    (``_recompute_parameter_residuals``): to measure what each saves.
+    and ``recompute_constants=False`` store the residuals F computes from parameters alone (a
+    weight's bfloat16 copy) and from no input (a causal mask) per microbatch, instead of
+    computing them again in the backward (``_recompute_parameter_residuals``): to measure what
+    each saves.
     """
     with no_mesh_context():  # a mesh the caller set must not reach the programs
         roles = _differentiation_roles(stage)
         forward, backward = _forward_and_backward(stage, roles)
-        if recompute_parameter_casts:
+        if recompute_parameter_casts or recompute_constants:
             forward, backward = _recompute_parameter_residuals(
-                forward, backward, len(stage.jaxpr.out_avals), roles.num_params
+                forward,
+                backward,
+                len(stage.jaxpr.out_avals),
+                roles.num_params if recompute_parameter_casts else 0,
+                constants=recompute_constants,
             )
         if merge_contracting:
             # The weight gradients of ``x @ w`` over ``[batch, seq, d]`` contract two dimensions;
@@ -397,27 +405,71 @@ _DATA_MOVEMENT = frozenset(
     }
 )
 
+#: Cheap elementwise primitives: a residual such ops and ``_DATA_MOVEMENT`` compute from no
+#: input at all (a causal mask: ``iota``s compared, broadcast over batch and heads) is computed
+#: again where the backward runs instead of being stored per microbatch.
+_CONSTANT_ARITHMETIC = frozenset(
+    {
+        "iota",
+        "add",
+        "sub",
+        "mul",
+        "neg",
+        "max",
+        "min",
+        "eq",
+        "ne",
+        "ge",
+        "gt",
+        "le",
+        "lt",
+        "and",
+        "or",
+        "not",
+        "xor",
+        "select_n",
+    }
+)
+
 
 def _recompute_parameter_residuals(
-    forward: ClosedJaxpr, backward: ClosedJaxpr, num_outputs: int, num_params: int
+    forward: ClosedJaxpr,
+    backward: ClosedJaxpr,
+    num_outputs: int,
+    num_params: int,
+    *,
+    constants: bool = True,
 ) -> tuple[ClosedJaxpr, ClosedJaxpr]:
     """Returns F and BW where residuals that F computes from parameters alone, by data
-    movement only (``_DATA_MOVEMENT``), are recomputed in BW from the parameters.
+    movement only (``_DATA_MOVEMENT``), or from no input at all, by data movement and cheap
+    elementwise ops (``_CONSTANT_ARITHMETIC``: a causal mask), are recomputed in BW.
 
     Parameters are resident where the backward runs (``forwarded_residuals``), so such a
-    residual costs a per-microbatch slot in F's output for what is a copy of a parameter.
-    BW gets the parameters it needs as residuals instead, and starts with F's equations that
-    compute the dropped residuals from them.
+    residual costs a per-microbatch slot in F's output for what is a copy of a parameter or
+    a constant (and, on a tensor axis, a collective when the slot is sharded otherwise than
+    the value). BW gets the parameters it needs as residuals instead, and starts with F's
+    equations that compute the dropped residuals. ``num_params=0`` recomputes only
+    constants, ``constants=False`` only values derived from parameters.
     """
+    made_by = {v: e.primitive.name for e in forward.jaxpr.eqns for v in e.outvars}
+    if any(made_by.get(v) in CALL_PRIMITIVES for v in forward.jaxpr.outvars[num_outputs:]):
+        # A residual a call computes (the loop-invariant values ``jax.vjp`` hoists out of a
+        # ``scan``, such as its body's causal mask): look into the call.
+        forward = inline_calls(forward)
     jaxpr = forward.jaxpr
-    # Values computed from parameters (and constants) by data movement alone.
-    sources = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
-    derived: set = set()
+    # Values computed without reading any input (an attention mask from ``iota``s), by cheap
+    # elementwise ops and data movement, and values computed from parameters by data movement.
+    constant: set = set(jaxpr.constvars)
+    derived: set = set(jaxpr.invars[:num_params])
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _DATA_MOVEMENT and all(
-            is_literal(v) or v in sources or v in derived for v in eqn.invars
-        ):
+        name = eqn.primitive.name
+        operands = [v for v in eqn.invars if not is_literal(v)]
+        if name in _DATA_MOVEMENT | _CONSTANT_ARITHMETIC and all(v in constant for v in operands):
+            constant |= _defined(eqn)
+        elif name in _DATA_MOVEMENT and all(v in constant or v in derived for v in operands):
             derived |= _defined(eqn)
+    if constants:
+        derived |= constant
     residuals = list(jaxpr.outvars[num_outputs:])
     dropped = [r for r in residuals if not is_literal(r) and r in derived]
     if not dropped:
