@@ -274,6 +274,10 @@ def test_value_splits_follow_dimensions():
     assert _splits_of(lambda x, w: x @ w, x, w, in_splits=[1, 0]) == [None]
     # Element-wise with a whole operand stays split; reductions over other dimensions keep it.
     assert _splits_of(lambda a, b: jnp.tanh(a) * b, w, w, in_splits=[1, None]) == [1]
+    # An operand broadcast along a size-1 dimension passes on a split along its other one.
+    row = jnp.zeros((1, 6))
+    assert _splits_of(lambda a, b: jax.lax.add(a, b), w, row, in_splits=[None, 1]) == [1]
+    assert _splits_of(lambda a, b: jax.lax.add(a, b), w, row, in_splits=[0, 1]) == [None]
     assert _splits_of(lambda a: a.sum(0), w, in_splits=[1]) == [0]
     assert _splits_of(lambda a: a.sum(1), w, in_splits=[1]) == [None]
     assert _splits_of(lambda a: a.T, w, in_splits=[1]) == [0]
@@ -302,6 +306,40 @@ def test_value_splits_follow_dimensions():
     # Through a jitted function; an operation without a rule gives a whole value.
     assert _splits_of(jax.jit(lambda a: jnp.exp(a)), w, in_splits=[1]) == [1]
     assert _splits_of(lambda a: jnp.cumsum(a, 0), w, in_splits=[1]) == [None]
+
+
+def test_value_splits_follow_scan_bodies():
+    """Layers under ``lax.scan`` (``nn.scan``): stacked weights split along a layer's dimension
+    give per-layer values split the same way and stacked outputs split one further along."""
+    h, ws = jnp.zeros((4, 8)), jnp.zeros((3, 8, 8))
+
+    def layers(h, ws):  # column-parallel: each layer's output keeps w's split free dimension
+        return jax.lax.scan(lambda h, w: (h, jnp.tanh(h @ w)), h, ws)
+
+    # The carry h never meets w, so it stays whole; the stacked outputs [3, 4, 8] are split.
+    assert _splits_of(layers, h, ws, in_splits=[None, 2]) == [None, 2]
+
+    def carried(h, ws):  # the carry becomes h @ w: split after one iteration, whole before
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), h), h, ws)
+
+    assert _splits_of(carried, h, ws, in_splits=[None, 2]) == [None, None]
+
+    def scaled(h, ws):  # the carry keeps its split in every iteration
+        return jax.lax.scan(lambda h, w: (h * jnp.tanh(w.sum(0)), h), h, ws)
+
+    assert _splits_of(scaled, h, ws, in_splits=[1, 2]) == [1, 2]
+    assert _splits_of(scaled, h, ws, in_splits=[0, None]) == [0, 1]
+    # Split along the scanned dimension, each device would run other iterations: whole.
+    assert _splits_of(layers, h, ws, in_splits=[None, 0]) == [None, None]
+    # A constant of the body (a bias closed over, added as [1, 8]) keeps its split in every
+    # iteration; h, which the body returns unchanged, is one too, and its rows stay split.
+    b = jnp.zeros(8)
+
+    def biased(h, ws, b):
+        return jax.lax.scan(lambda h, w: (h, h @ w + b), h, ws)
+
+    assert _splits_of(biased, h, ws, b, in_splits=[None, None, 0]) == [None, 2]
+    assert _splits_of(biased, h, ws, b, in_splits=[0, None, None]) == [0, 1]
 
 
 def test_tp_annotations_in_loss_fn_explicit_data_axes_and_aux():
@@ -405,9 +443,12 @@ def test_gpt_specs_split_attention_by_whole_heads():
 def test_gpt_megatron_split_with_tied_embedding(flavour, request):
     """The reference GPT split by ``gpt.tensor_parallel_specs`` (loop GPT under zb-h1, nn.scan
     GPT under zb-v): its token embedding, split over the vocabulary, is also the LM head on
-    the last stage's device."""
+    the last stage's device. Nothing is gathered over tp: each block's causal mask, split
+    over the heads where F uses it, is computed again in B rather than stored."""
     case = request.getfixturevalue(f"tp_{flavour}_case")
-    loss, grads = jax.jit(case.pipe.value_and_grad)(case.staged, case.batch)
+    step = jax.jit(case.pipe.value_and_grad).lower(case.staged, case.batch).compile()
+    assert "all-gather" not in step.as_text()
+    loss, grads = step(case.staged, case.batch)
     np.testing.assert_allclose(float(loss), float(case.ref_loss), rtol=1e-6)
     assert _max_diff(case.pipe.unstage(grads), case.ref_grads) < 1e-6
     np.testing.assert_allclose(

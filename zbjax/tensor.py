@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zbjax._jax_compat import shard_map
+from zbjax._jax_compat import scan_counts, shard_map
 from zbjax.errors import PipelineError
 
 
@@ -299,8 +299,9 @@ def value_splits(closed: Any, in_splits: Sequence[int | None], size: int) -> lis
     over a tensor axis of ``size`` devices when its inputs are split as ``in_splits`` say (None:
     whole), by following each equation's dimensions: element-wise operations, matmuls' free
     and batch dimensions, broadcasts, transposes, reshapes that keep the split dimension
-    leading, reductions, splits, slices, pads and concatenations along other dimensions;
-    anything else, or a dimension the devices do not divide, is whole. A guess at what XLA's
+    leading, reductions, splits, slices, pads and concatenations along other dimensions,
+    calls, and ``scan`` bodies (a stacked output split one dimension further along); anything
+    else, or a dimension the devices do not divide, is whole. A guess at what XLA's
     partitioner will do: a wrong one costs a resharding between a slot and its reader, never
     a wrong value.
     """
@@ -340,10 +341,12 @@ def _rule(eqn: Any, ins: list, size: int) -> list:
     if name in _ELEMENTWISE:
         out_shape = _shape(eqn.outvars[0])
         # A whole operand next to a split one is sliced where it is: the result stays split.
+        # An operand broadcast along size-1 dimensions (a bias ``[1, n]`` added to ``[m, n]``)
+        # passes on a split along a dimension it has in full.
         splits = {
             s
             for v, s in zip(eqn.invars, ins, strict=True)
-            if s is not None and _shape(v) == out_shape
+            if s is not None and len(_shape(v)) == len(out_shape) and _shape(v)[s] == out_shape[s]
         }
         return [splits.pop()] if len(splits) == 1 else none
     if name == "dot_general":
@@ -373,10 +376,31 @@ def _rule(eqn: Any, ins: list, size: int) -> list:
         splits = set(ins)
         s = splits.pop() if len(splits) == 1 else None
         return [None if s == params["dimension"] else s]
+    if name == "scan":
+        return _scan_splits(eqn, ins, size)
     inner = _inner_jaxpr(eqn)
     if inner is not None:
         return _propagate(inner, ins[len(ins) - len(inner.invars) :], size)
     return none
+
+
+def _scan_splits(eqn: Any, ins: list, size: int) -> list:
+    """Returns a ``scan``'s output splits: its body's, with each carry split only where every
+    iteration keeps it so (whole otherwise, until that holds) and each stacked output's one
+    dimension further along; a scanned input split along the scanned dimension is whole in
+    the body (each device would hold other iterations)."""
+    num_consts, num_carry = scan_counts(eqn.params)
+    body = eqn.params["jaxpr"].jaxpr
+    consts = ins[:num_consts]
+    carry = ins[num_consts : num_consts + num_carry]
+    xs = [None if s in (None, 0) else s - 1 for s in ins[num_consts + num_carry :]]
+    while True:  # each pass makes at least one more carry whole, or stops
+        outs = _propagate(body, consts + carry + xs, size)
+        kept = [c if c == o else None for c, o in zip(carry, outs[:num_carry], strict=True)]
+        if kept == carry:
+            break
+        carry = kept
+    return carry + [None if s is None else s + 1 for s in outs[num_carry:]]
 
 
 def _dot_split(eqn: Any, ins: list) -> int | None:
