@@ -175,25 +175,56 @@ def stage_sizes(model: Model, num_stages: int) -> str:
     )
 
 
+def _activation_bytes_both_ways(cfg: gpt.GPTConfig, model: Model, flag: str):
+    """Returns each stage's ``activation_bytes`` with ``split_stage(**{flag: True})`` and with
+    ``{flag: False}``."""
+    params = gpt.init_params(jax.random.key(0), cfg)
+    microbatch = gpt.make_batch(jax.random.key(1), cfg, model.microbatch_rows)
+    graph = partition(gpt.make_loss_fn(cfg), params, microbatch)
+    return (
+        [split_stage(s, **{flag: value}).activation_bytes for s in graph.stages]
+        for value in (True, False)
+    )
+
+
+def _percent_range(fractions: Sequence[float]) -> str:
+    low, high = f"{min(fractions):.0%}", f"{max(fractions):.0%}"
+    return low if low == high else f"{low}–{high}"
+
+
+def _kbs(sizes: Sequence[int]) -> str:
+    return " / ".join(f"{b / 1e3:.0f}" for b in sizes)
+
+
 def mixed_precision_sizes(model: Model) -> str:
     """Returns a sentence on M_B per stage of the same GPT computing in bfloat16, with each
     weight's bfloat16 copy cast again in the backward (as zbjax does) and stored instead."""
     cfg = dataclasses.replace(gpt_config(model, NUM_DEVICES), dtype="bfloat16")
-    params = gpt.init_params(jax.random.key(0), cfg)
-    microbatch = gpt.make_batch(jax.random.key(1), cfg, model.microbatch_rows)
-    graph = partition(gpt.make_loss_fn(cfg), params, microbatch)
-    recast, stored = (
-        [split_stage(s, recompute_parameter_casts=flag).activation_bytes for s in graph.stages]
-        for flag in (True, False)
-    )
+    recast, stored = _activation_bytes_both_ways(cfg, model, "recompute_parameter_casts")
     saved = [1 - a / b for a, b in zip(recast, stored, strict=True)]
     return (
         f'The same GPT computing in bfloat16 on float32 params (`GPTConfig(dtype="bfloat16")`), '
-        f"{NUM_DEVICES} stages: M_B {' / '.join(f'{b / 1e3:.0f}' for b in recast)} kB per "
+        f"{NUM_DEVICES} stages: M_B {_kbs(recast)} kB per "
         "stage, where F storing each weight's bfloat16 copy for B (as `jax.vjp` leaves it; "
         "`split_stage(recompute_parameter_casts=False)`) would take "
-        f"{' / '.join(f'{b / 1e3:.0f}' for b in stored)} kB: "
-        f"{min(saved):.0%}–{max(saved):.0%} less, the backward casting the weights again instead."
+        f"{_kbs(stored)} kB: "
+        f"{_percent_range(saved)} less, the backward casting the weights again instead."
+    )
+
+
+def mask_sizes(model: Model) -> str:
+    """Returns a sentence on M_B per stage of the table's GPT with each block's causal mask
+    computed again in the backward (as zbjax does) and stored instead."""
+    recomputed, stored = _activation_bytes_both_ways(
+        gpt_config(model, NUM_DEVICES), model, "recompute_constants"
+    )
+    return (
+        f"Each block's causal mask (`jnp.tril` of ones, which `jnp.where` broadcasts over the "
+        f"sequences and heads) is computed again in the backward from `iota`s: F storing it "
+        "for B (as `jax.vjp` leaves it; `split_stage(recompute_constants=False)`) would make "
+        f"M_B {_kbs(stored)} kB per stage instead of {_kbs(recomputed)} kB "
+        f"({(stored[0] - recomputed[0]) / 1e3:.1f} kB more at stage 0, "
+        f"{stored[0] / recomputed[0] - 1:.1%})."
     )
 
 
@@ -349,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         scan_params_per_device(model)[0],
         "",
         mixed_precision_sizes(model),
+        "",
+        mask_sizes(model),
         "",
         "The ring buffers can hold more than the predicted peak in M_B for three reasons: "
         "pools are sized by the largest stage and the busiest device, what W keeps is not "

@@ -34,18 +34,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import write_section
 from bw_split import machine_load
 
-from models import gpt
+from models import gpt, gpt_scan
 from zbjax.cpu import use_cpu_devices
 
 COMMAND = "python benchmarks/tensor_parallel.py"
 CFG = gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=128, num_heads=4, num_layers=4)
 BATCH = 16
 MESHES = ((2, 4, 1), (2, 2, 2), (2, 1, 4))  # (pp, dp, tp)
+#: The GPT with a Python loop over its blocks (cut by markers) and with them in one ``nn.scan``
+#: (cut by the auto partitioner, each stage holding its rows of the stacked params).
+MODELS = ("loop", "scan")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)
 class Row:
+    model: str
     mesh: str
     param_bytes: int
     temp_bytes: int
@@ -61,19 +65,23 @@ def _name(shape: tuple[int, int, int]) -> str:
     return f"pp {pp} x dp {dp}" + (f" x tp {tp}" if tp > 1 else "")
 
 
-def _build(shape: tuple[int, int, int], cfg: gpt.GPTConfig, batch_size: int):
+def _build(shape: tuple[int, int, int], cfg: gpt.GPTConfig, batch_size: int, model: str):
     import zbjax
 
     pp, dp, tp = shape
-    cfg = dataclasses.replace(cfg, stage_boundaries=gpt.balanced_boundaries(cfg, pp))
-    loss_fn = gpt.make_loss_fn(cfg)
-    params = gpt.init_params(jax.random.key(0), cfg)
+    if model == "loop":
+        module, kwargs = gpt, {}
+        cfg = dataclasses.replace(cfg, stage_boundaries=gpt.balanced_boundaries(cfg, pp))
+    else:
+        module, kwargs = gpt_scan, {"num_stages": pp}
+    loss_fn = module.make_loss_fn(cfg)
+    params = module.init_params(jax.random.key(0), cfg)
     batch = gpt.make_batch(jax.random.key(1), cfg, batch_size)
     auto = (jax.sharding.AxisType.Auto,) * 3
     mesh = jax.make_mesh(shape, ("pp", "dp", "tp"), axis_types=auto)
     specs = gpt.tensor_parallel_specs(params) if tp > 1 else None
     pipe = zbjax.pipeline(
-        loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4, param_specs=specs
+        loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=4, param_specs=specs, **kwargs
     )
     staged = pipe.stage(params, batch)
     step = jax.jit(pipe.value_and_grad)
@@ -99,23 +107,24 @@ def measure(
     cfg: gpt.GPTConfig = CFG,
     batch_size: int = BATCH,
     meshes: Sequence[tuple[int, int, int]] = MESHES,
+    models: Sequence[str] = MODELS,
 ) -> list[Row]:
-    built = {shape: _build(shape, cfg, batch_size) for shape in meshes}
-    times: dict = {shape: [] for shape in meshes}
-    order = list(meshes)
+    order = [(model, shape) for model in models for shape in meshes]
+    built = {key: _build(key[1], cfg, batch_size, key[0]) for key in order}
+    times: dict = {key: [] for key in order}
     for r in range(rounds):
-        for shape in order[r % len(order) :] + order[: r % len(order)]:
-            fn, staged, batch = built[shape][0]
+        for key in order[r % len(order) :] + order[: r % len(order)]:
+            fn, staged, batch = built[key][0]
             start = time.perf_counter()
             jax.block_until_ready(fn(staged, batch))
-            times[shape].append(time.perf_counter() - start)
-    base = times[meshes[0]]
+            times[key].append(time.perf_counter() - start)
     rows = []
-    for shape in meshes:
-        _, (param_bytes, temp_bytes, counts), compile_s, diff = built[shape]
-        t = times[shape]
+    for model, shape in order:
+        _, (param_bytes, temp_bytes, counts), compile_s, diff = built[model, shape]
+        t, base = times[model, shape], times[model, meshes[0]]
         rows.append(
             Row(
+                model,
                 _name(shape),
                 param_bytes,
                 temp_bytes,
@@ -137,7 +146,9 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         f"Made by `{COMMAND} --rounds {rounds}` (jax {jax.__version__}, 8 fake CPU devices, "
         f"{os.cpu_count()} cores). The reference GPT ({c.num_layers} blocks, d {c.d_model}, "
         f"{c.num_heads} heads, vocab {c.vocab_size}, seq {c.seq_len}, batch {BATCH}), zb-h1 "
-        "over 2 pp devices, m = 4; tp splits it as `gpt.tensor_parallel_specs` says "
+        "over 2 pp devices, m = 4, its blocks in a Python loop (*loop*, cut by "
+        "`stage_boundaries`) or in one `nn.scan` (*scan*, `models.gpt_scan`, cut by the auto "
+        "partitioner); tp splits it as `gpt.tensor_parallel_specs` says "
         "(Megatron-style: each block's qkv and MLP input projections column-parallel, qkv "
         "by whole heads, its attention output and MLP output projections row-parallel; the "
         "tied token embedding over the vocabulary; LayerNorms and biases after a row-parallel "
@@ -145,19 +156,19 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         "*params* and *temp* are per device "
         "(`memory_analysis()`); *collectives* counts each kind's ops in the compiled HLO; "
         f"*step* is the median over {rounds} alternating rounds, *ratio* the median over "
-        "rounds of it over pp x dp in the same round; *grad diff* the largest difference "
-        "from `jax.value_and_grad` of the unpipelined loss.",
+        "rounds of it over the same model's pp x dp in the same round; *grad diff* the "
+        "largest difference from `jax.value_and_grad` of the unpipelined loss.",
         "",
-        "| mesh | params / device | temp / device | collectives | compile | step | ratio "
-        "| grad diff |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| model | mesh | params / device | temp / device | collectives | compile | step "
+        "| ratio | grad diff |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         kinds = ", ".join(f"{k} {n}" for k, n in r.collectives.items() if n) or "-"
         lines.append(
-            f"| {r.mesh} | {r.param_bytes / 1024:.0f} KiB | {r.temp_bytes / 1024:.0f} KiB "
-            f"| {kinds} | {r.compile_s:.1f} s | {r.step_ms:.1f} ms | {r.ratio:.2f} "
-            f"| {r.grad_diff:.1e} |"
+            f"| {r.model} | {r.mesh} | {r.param_bytes / 1024:.0f} KiB "
+            f"| {r.temp_bytes / 1024:.0f} KiB | {kinds} | {r.compile_s:.1f} s "
+            f"| {r.step_ms:.1f} ms | {r.ratio:.2f} | {r.grad_diff:.1e} |"
         )
     lines += [
         "",

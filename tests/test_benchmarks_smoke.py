@@ -261,6 +261,16 @@ def test_scan_gpt_params_per_device_shrink_with_more_stages():
     assert held[4] < 0.75 * held[2], held
 
 
+def test_memory_sentences_on_what_the_backward_computes_again_measure_a_saving():
+    casts, masks = (
+        f(memory.SMOKE_MODEL) for f in (memory.mixed_precision_sizes, memory.mask_sizes)
+    )
+    assert "recompute_parameter_casts=False" in casts and "% less" in casts
+    assert "recompute_constants=False" in masks
+    more = float(masks.split("(")[-1].split(" kB more")[0])
+    assert more > 0, masks
+
+
 def test_optimizer_benchmark_times_every_variant_against_adamw_on_the_rows():
     tiny = optimizer.Case(
         "tiny GPT", gpt.GPTConfig(num_layers=2, d_model=16, seq_len=8, vocab_size=32), 2, 4
@@ -276,11 +286,17 @@ def test_optimizer_benchmark_times_every_variant_against_adamw_on_the_rows():
 def test_tensor_parallel_benchmark_halves_params_per_device_and_matches_value_and_grad():
     tiny = gpt.GPTConfig(num_layers=2, d_model=16, seq_len=8, vocab_size=32)
     rows = tensor_parallel.measure(1, tiny, 8, ((2, 2, 1), (2, 1, 2)))
-    assert [r.mesh for r in rows] == ["pp 2 x dp 2", "pp 2 x dp 1 x tp 2"]
-    assert rows[1].param_bytes < 0.8 * rows[0].param_bytes
-    assert all(r.grad_diff < 1e-5 and r.step_ms > 0 for r in rows) and rows[0].ratio == 1.0
+    assert [(r.model, r.mesh) for r in rows] == [
+        (model, mesh)
+        for model in ("loop", "scan")
+        for mesh in ("pp 2 x dp 2", "pp 2 x dp 1 x tp 2")
+    ]
+    for plain, split in (rows[:2], rows[2:]):
+        assert split.param_bytes < 0.8 * plain.param_bytes and plain.ratio == 1.0
+        assert split.collectives["all-gather"] == 0  # every slot keeps each device's part
+    assert all(r.grad_diff < 1e-5 and r.step_ms > 0 for r in rows)
     text = tensor_parallel.section(rows, 1, ("before", "after"), 1.0)
-    assert "| pp 2 x dp 1 x tp 2 |" in text
+    assert "| scan | pp 2 x dp 1 x tp 2 |" in text
 
 
 def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_section():
