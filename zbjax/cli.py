@@ -351,8 +351,9 @@ def _add_demo_parser(subparsers: Any) -> None:
         "--tp",
         type=int,
         default=default.tp,
-        help="tensor-parallel devices per pipeline device: the MLPs and the embedding split "
-        "Megatron-style over a 'tp' mesh axis (default 1: none; devices x tp in all)",
+        help="tensor-parallel devices per pipeline device: attention (by whole heads), the "
+        "MLPs and the embedding split Megatron-style over a 'tp' mesh axis (default 1: none; "
+        "devices x tp in all)",
     )
     parser.add_argument(
         "--stages",
