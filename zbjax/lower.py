@@ -63,7 +63,7 @@ from zbjax.params import (
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import forwarded_residuals, forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
-from zbjax.tensor import from_blocks, to_blocks, value_splits
+from zbjax.tensor import from_blocks, per_shard, to_blocks, value_splits
 from zbjax.ticks import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -780,7 +780,9 @@ def _zeros(avals: Sequence[Any]) -> list[jax.Array]:
     return [jnp.zeros(a.shape, a.dtype) for a in avals]
 
 
-def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
+def _finish_before_sending(
+    state: _TickState, code: jax.Array, tensor_axis: str | None = None
+) -> _TickState:
     """Returns ``state`` with every payload depending on every buffer the tick's actions wrote.
 
     XLA orders a loop body by data dependencies only: an action that sends nothing (W, or F on
@@ -790,12 +792,33 @@ def _finish_before_sending(state: _TickState, code: jax.Array) -> _TickState:
     larger one. ``optimization_barrier`` does not help: XLA:CPU drops it without ordering.
     The dependency is one element of each written buffer, selected under a predicate that is
     never true (action codes are not negative), so the payload's values never change.
+
+    Over a tensor axis (``tensor_axis``) each device takes the first element of its own part
+    of each buffer, in a nested ``shard_map``: the first element of the whole buffer would have
+    XLA move the pools between devices (an all-to-all of every pool at every tick) to ravel
+    them. The parts' elements differ between devices, which the never-taken select hides.
     """
-    written = [*state.residuals, *state.kept, *state.stash, *state.grads, *state.loss]
-    parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in written if b.size]
-    if not parts:
+    pools = [*state.residuals, *state.kept, *state.stash]
+    if not any(b.size for b in [*pools, *state.grads, *state.loss]):
         return state
-    dep = jnp.sum(jnp.concatenate(parts))
+
+    def first_elements(pools: list, grads: list, loss: list) -> jax.Array:
+        parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in [*pools, *grads, *loss] if b.size]
+        return jnp.sum(jnp.concatenate(parts))
+
+    if tensor_axis is None:
+        dep = first_elements(pools, state.grads, state.loss)
+    else:
+        # Pools are [slots, T, capacity] and gradient rows [T * n], split over the axis along
+        # T; the loss is whole.
+        specs = (
+            [PartitionSpec(None, tensor_axis)] * len(pools),
+            [PartitionSpec(tensor_axis)] * len(state.grads),
+            [PartitionSpec()] * len(state.loss),
+        )
+        dep = per_shard(tensor_axis, first_elements, specs, PartitionSpec())(
+            pools, list(state.grads), list(state.loss)
+        )
     never = code < 0
     sends = [
         [
@@ -1106,6 +1129,7 @@ def _run(
     data_axes = low.data_axes
     always_exchanges = tables.exchanges.all(axis=0)
     sizes = exchange_sizes(tables)
+    tensor_axis = low.layout.tensor_axis if low.layout.tensor_size > 1 else None
 
     num_slot_dtypes = len(low.slot_dtypes)
 
@@ -1181,7 +1205,7 @@ def _run(
                                 state,
                                 contexts[lane],
                             )
-            state = _finish_before_sending(state, code[0])
+            state = _finish_before_sending(state, code[0], tensor_axis)
             message_buf = list(message_buf)
             for k, shift in enumerate(tables.shifts):
                 payload = state.sends[k]
