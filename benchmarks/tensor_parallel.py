@@ -177,7 +177,7 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         "Each device holds its part of each split param and of each activation a stage "
         "computes split (the slot pools keep parts, `tensor.value_splits`); activations "
         "computed whole (LayerNorm, the residual stream) are held whole on each tp "
-        "device, over more rows per device as dp shrinks, so temp memory grows from pp x dp. "
+        "device, over more rows per device as dp shrinks. "
         "The collectives run on fake CPU devices sharing the cores, which is what the step "
         "ratios measure.",
     ]
