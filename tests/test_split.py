@@ -413,16 +413,21 @@ def test_parameter_casts_and_slices_are_recomputed_in_the_backward_not_stored():
     casts = [e for e in program.backward.jaxpr.eqns if e.primitive.name == "convert_element_type"]
     assert any(e.invars[0].aval.shape == (D, D) for e in casts)
     # Values and gradients are still those of jax.vjp (with bfloat16's precision).
+    _check_against_vjp(program, layers, ws, x, _normal(82, (4, D), 1.0), 2e-2)
+
+
+def _check_against_vjp(program, layers, ws, x, ct, tol):
+    """Checks the fused and the split backward of a one-output stage ``layers(ws, x)``."""
+    n_out = len(program.stage.jaxpr.out_avals)
     forward = _run(program.forward)(ws, x)
-    ct = _normal(82, (4, D), 1.0)
     fused = _run(program.backward)(*forward[n_out:], ct)
     b_outs = _run(program.backward_input)(*forward[n_out:], ct)
     split_outs = [b_outs[0], *_run(program.backward_weight)(*b_outs[1:])]
     _, vjp = jax.vjp(lambda w, v: layers(w, v)[0], ws, x)
     want_dws, want_dx = vjp(ct)
     for got in (fused, split_outs):
-        np.testing.assert_allclose(got[0], want_dx, rtol=2e-2, atol=2e-2)
-        np.testing.assert_allclose(got[1], want_dws, rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(got[0], want_dx, rtol=tol, atol=tol)
+        np.testing.assert_allclose(got[1], want_dws, rtol=tol, atol=tol)
 
 
 def _masked_attention(w, x):
@@ -467,16 +472,7 @@ def test_a_mask_computed_from_no_input_is_recomputed_in_the_backward_not_stored(
     assert program.activation_bytes == storing.activation_bytes - masks * 2 * D * D
     assert any(e.primitive.name == "iota" for e in program.backward.jaxpr.eqns)
     assert matmul_flops(program.backward) == matmul_flops(storing.backward)
-    forward = _run(program.forward)(ws, x)
-    ct = _normal(92, (2, D, D), 1.0)
-    fused = _run(program.backward)(*forward[n_out:], ct)
-    b_outs = _run(program.backward_input)(*forward[n_out:], ct)
-    split_outs = [b_outs[0], *_run(program.backward_weight)(*b_outs[1:])]
-    _, vjp = jax.vjp(lambda w, v: layers(w, v)[0], ws, x)
-    want_dws, want_dx = vjp(ct)
-    for got in (fused, split_outs):
-        np.testing.assert_allclose(got[0], want_dx, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got[1], want_dws, rtol=1e-5, atol=1e-5)
+    _check_against_vjp(program, layers, ws, x, _normal(92, (2, D, D), 1.0), 1e-5)
 
 
 def test_split_graph_returns_one_program_per_stage_in_order():
