@@ -430,6 +430,7 @@ _CONSTANT_ARITHMETIC = frozenset(
         "select_n",
     }
 )
+_CONSTANT_OPS = _DATA_MOVEMENT | _CONSTANT_ARITHMETIC
 
 
 def _recompute_parameter_residuals(
@@ -464,7 +465,7 @@ def _recompute_parameter_residuals(
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         operands = [v for v in eqn.invars if not is_literal(v)]
-        if name in _DATA_MOVEMENT | _CONSTANT_ARITHMETIC and all(v in constant for v in operands):
+        if name in _CONSTANT_OPS and all(v in constant for v in operands):
             constant |= _defined(eqn)
         elif name in _DATA_MOVEMENT and all(v in constant or v in derived for v in operands):
             derived |= _defined(eqn)
