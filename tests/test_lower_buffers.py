@@ -5,6 +5,7 @@ through; in the tick loop that would copy every residual slot (or the message po
 tick. These tests compile real pipelines and look for such copies in the optimized HLO.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -65,25 +66,27 @@ OVERLAID = tuple(c for c in zbjax.lower.SLOT_CANDIDATES if c[1])
         ("zb-h2", "gpt", True, "stash"),
         ("zb-h2", "gpt", False, "overlay"),
         ("zb-h2", "gpt", True, "overlay"),
+        ("zb-h2", "gpt", False, "shared"),
+        ("zb-h2", "gpt", True, "shared"),
     ],
 )
 def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed, slots, monkeypatch):
-    candidates = {"stash": STASH_SLOTS, "overlay": OVERLAID}.get(slots)
+    candidates = {"stash": STASH_SLOTS, "overlay": OVERLAID, "shared": STASH_SLOTS}.get(slots)
     if candidates:
         monkeypatch.setattr(zbjax.lower, "SLOT_CANDIDATES", candidates)
+        # One arena buffer for every group (B writes where it reads) or one per group.
+        monkeypatch.setattr(zbjax.lower, "ARENA_SHARING", (slots == "shared",))
     text, pipe = _compiled_text(schedule, 4, model, PACKING_COSTS if packed else None)
     low = pipe.lowering
     tables = low.tables
     assert (tables.num_packed > 0) == packed  # packed lanes read and write pools too
-    pools = set()
-    for slots, capacity in (
-        (tables.num_residual_slots, low.residual_capacity),
-        (tables.num_kept_slots, low.kept_capacity),
-        (tables.num_stash_slots, low.stash_capacity),
-    ):
-        for c in capacity:
-            if c:
-                pools.add(f"[{max(slots, 1)},{c}]")
+    # The residual, kept and stash arenas, one flat buffer per dtype each.
+    pools = {
+        "[{},{}]".format(*low.arenas.shape(b, k))
+        for b, sizes in enumerate(low.arenas.sizes)
+        for k, n in enumerate(sizes)
+        if n
+    }
     assert pools
     # The message pool too: each exchange writes what arrives into it in place.
     message_slots = tables.num_message_slots + 1
@@ -91,8 +94,12 @@ def test_no_slot_pool_is_copied_in_the_compiled_step(schedule, model, packed, sl
     if slots == "stash":
         assert tables.num_kept_slots and sum(low.kept_capacity)  # all three pools in use
         assert tables.num_stash_slots and sum(low.stash_capacity)
+        assert len(low.arenas.sizes) == 3 and all(any(sizes) for sizes in low.arenas.sizes)
     if slots == "overlay":  # B writes W's stash over its residual slot
         assert any(low.overlay_capacity) and not any(low.stash_capacity)
+        assert len(low.arenas.sizes) == 3 and not any(low.arenas.sizes[2])
+    if slots == "shared":  # B writes W's stash into the buffer it reads its residuals from
+        assert low.arenas.shared and tables.num_stash_slots
     # Copies in the entry computation run once per step (XLA may merge the pools' identical
     # initial values and copy one); the tick loop's body and its branches must copy none.
     loop_text = text[: text.index("\nENTRY ")]
@@ -175,15 +182,17 @@ def test_w_reads_the_stash_b_wrote_without_transposing_the_slot_read_on_cpu(apar
     # slot read, whether or not the lowering also reads W's stash inside a conditional
     # (``read_apart``, on CPU; without it, the platform list emptied).
     monkeypatch.setattr(zbjax.lower, "SLOT_CANDIDATES", STASH_SLOTS)
+    # The stash in a buffer of its own, so that its reads are told apart from the residuals'.
+    monkeypatch.setattr(zbjax.lower, "ARENA_SHARING", (False,))
     if not apart:
         monkeypatch.setattr(zbjax.lower, "STASH_READS_APART", ())
     assert zbjax.lower.reads_stash_apart(jax.devices()[:2]) == apart
     text, pipe = _compiled_text("zb-h1", 4, "gpt")
     low = pipe.lowering
     stash_pools = {
-        f"f32[{low.tables.num_stash_slots},{c}]"
-        for c, dtype in zip(low.stash_capacity, low.slot_dtypes, strict=True)
-        if c and dtype == "float32"
+        f"f32[1,{n}]"
+        for n, dtype in zip(low.arenas.sizes[2], low.slot_dtypes, strict=True)
+        if n and dtype == "float32"
     }
     assert stash_pools
     assert "dynamic-slice(" in text and "W s1" in text  # what the search below looks for
@@ -253,6 +262,50 @@ def test_the_step_allocates_the_kept_pool_the_tables_count(monkeypatch):
         int(np.prod(a.shape[2:])) * np.dtype(a.dtype).itemsize for a in low.pool_avals()
     )
     assert pool_bytes == low.slot_pool_bytes()
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "zb-v", "zb-auto"])
+def test_one_arena_shared_by_residuals_kept_and_stash_gives_value_and_grad(schedule, monkeypatch):
+    # Shared, B reads its residuals from the buffer it writes W's stash into, and a stash may
+    # go where another microbatch's residuals lay; the step must still match value_and_grad.
+    monkeypatch.setattr(zbjax.lower, "ARENA_SHARING", (True,))
+    cfg = (
+        GPT_CFG
+        if schedule != "zb-v"
+        else dataclasses.replace(GPT_CFG, num_layers=4, stage_boundaries=(0, 1, 2))
+    )
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 12)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    loss_fn = gpt.make_loss_fn(cfg)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule=schedule, num_microbatches=6)
+    loss, grads = pipe.value_and_grad(params, batch)
+    assert pipe.lowering.arenas.shared
+    want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, want_grads
+    )
+
+
+def test_an_arena_past_what_int32_indices_address_is_cut_into_rows(monkeypatch):
+    # int32 indices address at most 2**31 elements of a flat arena; past that the arena is
+    # rows no item crosses. A limit of 12000 elements per row makes this model take several.
+    monkeypatch.setattr(zbjax.ticks, "ARENA_BANK", 12000)
+    params = gpt.init_params(jax.random.key(0), GPT_CFG)
+    batch = gpt.make_batch(jax.random.key(1), GPT_CFG, 12)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    loss_fn = gpt.make_loss_fn(GPT_CFG)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=6)
+    loss, grads = pipe.value_and_grad(params, batch)
+    shapes = [a.shape for a in pipe.lowering.pool_avals()]
+    assert any(rows > 1 for _, _, rows, _ in shapes), shapes
+    assert all(length <= 12000 for *_, length in shapes)
+    want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, want_grads
+    )
 
 
 def _mlp_on_two_devices():

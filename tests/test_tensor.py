@@ -259,7 +259,7 @@ def test_split_activations_stay_split_in_the_slot_pools():
     # Per device: the [rows, H] activations at half their size, the [rows, D] ones whole.
     assert split.lowering.slot_pool_bytes() < 0.7 * plain.lowering.slot_pool_bytes()
     pools = split.lowering.pool_avals()
-    assert all(a.shape[3] == 2 for a in pools)  # [pp, dp, slots, T, capacity]
+    assert all(a.shape[3] == 2 for a in pools)  # [pp, dp, rows, T, elements]
 
 
 def _splits_of(fn, *args, in_splits, size=2):

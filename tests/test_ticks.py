@@ -12,6 +12,7 @@ from zbjax import ticks as ticks_module
 from zbjax.errors import ScheduleError
 from zbjax.schedules import Action, Schedule
 from zbjax.ticks import (
+    ARENA_GROUPS,
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -21,6 +22,7 @@ from zbjax.ticks import (
     PACKINGS,
     PHASES,
     MessageEdge,
+    arenas,
     barrier_time,
     choose_ticks,
     decode_actions,
@@ -30,6 +32,7 @@ from zbjax.ticks import (
     incoming_messages,
     lockstep_ticks,
     outgoing_messages,
+    pack_intervals,
     pack_ticks,
     plan_ticks,
     segment_ticks,
@@ -766,3 +769,156 @@ def test_segment_search_on_more_devices_weights_its_estimate_then_gives_up(monke
     replay(tick_tables(schedule, positions=weighted), schedule)
     monkeypatch.setattr(ticks_module, "SEGMENT_WEIGHTS", (1.0,))
     assert segment_ticks(schedule, costs) is None
+
+
+def _overlaps(placed):
+    """Returns the pairs of (start, end, offset, size) that overlap in time and in memory."""
+    return [
+        (a, b)
+        for a, b in itertools.combinations(placed, 2)
+        if a[0] < b[1] and b[0] < a[1] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
+    ]
+
+
+def _most_alive(intervals, size_of):
+    """Returns the largest total size of the intervals alive at one time."""
+    return max(
+        (sum(size_of(o) for s, e, o in intervals if s <= t < e) for t, _, _ in intervals),
+        default=0,
+    )
+
+
+def test_packed_intervals_never_share_memory_while_both_live():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        starts = rng.integers(0, 40, size=25)
+        intervals = [(int(s), int(s + rng.integers(1, 12)), j) for j, s in enumerate(starts)]
+        sizes = {j: int(rng.choice([0, 3, 8, 20])) for j in range(25)}
+        where, total = pack_intervals(intervals, sizes.__getitem__, align=4)
+        padded = {j: -(-n // 4) * 4 for j, n in sizes.items()}
+        placed = [(s, e, where[j], padded[j]) for s, e, j in intervals if padded[j]]
+        assert not _overlaps(placed), trial
+        assert all(where[j] % 4 == 0 for j in where)
+        assert total == max((o + n for _, _, o, n in placed), default=0)
+        assert total >= _most_alive(intervals, padded.__getitem__)
+
+
+def test_packed_intervals_of_one_size_take_the_most_alive_at_once():
+    # Equal sizes are placed like slots: exactly as many as are alive at one time.
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        starts = rng.integers(0, 50, size=30)
+        intervals = [(int(s), int(s + rng.integers(1, 15)), j) for j, s in enumerate(starts)]
+        _, total = pack_intervals(intervals, lambda owner: 7)
+        assert total == _most_alive(intervals, lambda owner: 7)
+
+
+def _arena_sizes(name, p, m, big_first=10, big_last=(4, 5)):
+    """Returns size_of for ``arenas``: stage 0 stores ``big_first`` residual elements that its
+    W reads too, the last stage ``big_last`` kept and stash elements, others 1 of each."""
+    last = {"residual": 2, "kept": big_last[0], "stash": big_last[1]}
+
+    def size_of(group, stage, k, split):
+        if group == "stash" and not split:
+            return 0
+        if stage == 0:
+            return big_first if group == "residual" else 0
+        return last[group] if stage == p - 1 else 1
+
+    return size_of
+
+
+#: Per arena group, the action kinds that write an item and those that may read it last.
+ITEM_WRITTEN_BY = {"residual": "F", "kept": "F", "stash": "B"}
+
+
+@pytest.mark.parametrize("limit", [None, 24])
+@pytest.mark.parametrize("name, m", [("zb-h2", 16), ("zb-h1", 8), ("zb-v", 8), ("1f1b", 8)])
+def test_arena_items_alive_at_once_on_a_device_never_overlap(name, m, limit):
+    # With a limit on a row's elements (int32 indices address 2**31), the arena is rows of
+    # equal length and no item crosses from one row into the next.
+    schedule = build(name, 4, m)
+    n = schedule.num_stages
+    until_weight = [True] + [False] * (n - 1)  # stage 0's W reads its residuals
+    tables = tick_tables(schedule, residuals_until_weight=until_weight)
+    size_of = _arena_sizes(name, n, m)
+    for shared in (False, True):
+        arena = arenas(
+            tables, size_of, 1, [True] * n, until_weight, align=[2], shared=shared, limit=limit
+        )
+        assert arena.shared == shared and len(arena.sizes) == (1 if shared else 3)
+        scheduled = {a for *_, a in schedule.all_actions()}
+        # Each item: (device, buffer) -> its offset, size and the times of the actions that
+        # touch it (tick, phase, lane); it lives from its write to its last read.
+        touched: dict = {}
+        for (t, d, lane), code in np.ndenumerate(tables.kind):
+            if code == IDLE:
+                continue
+            kind = KIND_NAMES[int(code)]
+            s, i = int(tables.stage[t, d, lane]), int(tables.microbatch[t, d, lane])
+            split = Action("W", s, i) in scheduled
+            for g, group in enumerate(ARENA_GROUPS):
+                size = -(-size_of(group, s, 0, split) // 2) * 2
+                reads = kind != ITEM_WRITTEN_BY[group]
+                if not size or (group == "residual" and kind == "W" and not until_weight[s]):
+                    continue
+                if group == "stash" and kind in ("F", "BW"):
+                    continue
+                key = (d, arena.group_buffer[g], group, s, i)
+                offset = int(arena.offsets[t, d, lane, g, 0])
+                item = touched.setdefault(key, [offset, size, []])
+                assert item[0] == offset  # every action finds the item where it was written
+                item[2].append(((t, PHASES[kind], lane), reads))
+        lives = {}
+        for key, (offset, size, times) in touched.items():
+            start = min(time for time, reads in times if not reads)
+            end = max(time for time, _ in times)
+            assert end > start
+            lives[key] = (start, end, offset, size)
+            assert offset + size <= arena.sizes[key[1]][0]
+            rows, length = arena.shape(key[1], 0)
+            assert rows * length == arena.sizes[key[1]][0]
+            assert offset // length == (offset + size - 1) // length < rows
+            if limit is not None:
+                assert length <= limit
+        for a, b in itertools.combinations(lives, 2):
+            if a[:2] != b[:2]:
+                continue
+            (s1, e1, o1, n1), (s2, e2, o2, n2) = lives[a], lives[b]
+            in_time = s1 < e2 and s2 < e1
+            assert not (in_time and o1 < o2 + n2 and o2 < o1 + n1), (name, shared, a, b)
+
+
+def test_one_shared_arena_holds_less_than_equal_slots_when_peaks_differ_by_device():
+    # zb-h2 defers W: the last device holds many kept items and stashes, the first few but
+    # large residuals. Equal slots take the largest item times the most in flight, per kind;
+    # a shared arena takes what is alive at once on the busiest device.
+    schedule = build("zb-h2", 4, 16)
+    until_weight = [True, False, False, False]
+    tables = tick_tables(schedule, residuals_until_weight=until_weight)
+    size_of = _arena_sizes("zb-h2", 4, 16)
+    shared = arenas(tables, size_of, 1, [True] * 4, until_weight, shared=True)
+    separate = arenas(tables, size_of, 1, [True] * 4, until_weight)
+    largest = {g: max(size_of(g, s, 0, True) for s in range(4)) for g in ARENA_GROUPS}
+    slots = (
+        largest["residual"] * tables.num_residual_slots
+        + largest["kept"] * tables.num_kept_slots
+        + largest["stash"] * tables.num_stash_slots
+    )
+    assert sum(n for (n,) in separate.sizes) <= slots
+    assert shared.sizes[0][0] < 0.7 * slots
+    assert shared.sizes[0][0] <= sum(n for (n,) in separate.sizes)
+
+
+def test_arenas_past_a_rows_limit_take_rows_and_refuse_an_item_larger_than_a_row():
+    schedule = build("zb-h2", 4, 16)
+    tables = tick_tables(schedule)
+    size_of = _arena_sizes("zb-h2", 4, 16)
+    whole = arenas(tables, size_of, 1, [True] * 4, [False] * 4, shared=True)
+    rows = arenas(tables, size_of, 1, [True] * 4, [False] * 4, shared=True, limit=24)
+    assert whole.shape(0, 0)[0] == 1
+    assert rows.shape(0, 0)[0] > 1 and rows.shape(0, 0)[1] <= 24
+    row_of, within = rows.row_offsets()
+    assert np.array_equal(row_of * rows.shape(0, 0)[1] + within, rows.offsets)
+    with pytest.raises(ScheduleError, match="residual data of stage 0 takes 10 elements"):
+        arenas(tables, size_of, 1, [True] * 4, [False] * 4, limit=8)

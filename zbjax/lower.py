@@ -19,20 +19,23 @@ filled, a tick that sends nothing skips the exchange, and since the exchange is 
 wait for each other, a device then runs on into its next tick's actions instead of waiting for
 the slowest one.
 
-Why two-way conds and separate pools: with one multi-way ``lax.switch``, or with a branch that
-reads and writes the same buffer without every read ordered before the first write, XLA copies
-the whole buffer (every slot) on every tick; a two-way cond per action whose branches read one
-pool and write another (or, for an overlaid B, read it in a nested conditional before writing
-it) keeps every buffer in place, so a tick costs what its action reads and writes.
+Why two-way conds: with one multi-way ``lax.switch``, or with a branch that reads and writes the
+same buffer without every read ordered before the first write, XLA copies the whole buffer on
+every tick; a two-way cond per action whose branches read one buffer and write another (or,
+for a B that writes where it reads, read it in a nested conditional before writing it) keeps
+every buffer in place, so a tick costs what its action reads and writes.
 
-All slot contents are flat per-dtype vectors; ``Packing`` and ``SlotLayout`` say where each
-value sits in them. The shard_map is manual over every mesh axis; the axes other than the
-pipeline axis are data parallel (rows split, gradients averaged).
+The residual, kept and stash data live in *arenas* (``zbjax.ticks.arenas``): one flat vector
+per group and dtype on every device, where each (stage, microbatch) takes its own stage's size
+for as long as it lives, beside the others alive at the same time; ``Packing`` and
+``SlotLayout`` say where each value sits in its item. The shard_map is manual over every mesh
+axis; the axes other than the pipeline axis are data parallel (rows split, gradients averaged).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +68,7 @@ from zbjax.split import forwarded_residuals, forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import from_blocks, per_shard, to_blocks, value_splits
 from zbjax.ticks import (
+    ARENA_GROUPS,
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -72,8 +76,10 @@ from zbjax.ticks import (
     IDLE,
     KIND_NAMES,
     PHASES,
+    Arenas,
     MessageEdge,
     TickTables,
+    arenas,
     incoming_messages,
     outgoing_messages,
     plan_ticks,
@@ -338,6 +344,9 @@ class Lowering:
     overlay_capacity: tuple[int, ...]
     message_dtypes: tuple[str, ...]
     message_capacity: tuple[int, ...]
+    #: Where the residual, kept and stash data of each (stage, microbatch) lie: the buffers
+    #: the tick loop keeps them in (``pool_avals``), sized by what is alive at once.
+    arenas: Arenas
 
     def slot_bytes(self) -> tuple[int, int, int, int]:
         """Returns the bytes of one residual, kept, stash and message slot."""
@@ -348,10 +357,6 @@ class Lowering:
             _slot_bytes(self.message_dtypes, self.message_capacity),
         )
 
-    def overlay_bytes(self) -> int:
-        """Returns the bytes of a residual slot's overlay region (B writes W's stash there)."""
-        return _slot_bytes(self.slot_dtypes, self.overlay_capacity)
-
     @property
     def data_axes(self) -> tuple[str, ...]:
         """Returns the mesh axes other than the pipeline and tensor axes: data parallel, rows
@@ -361,7 +366,7 @@ class Lowering:
 
     @property
     def pool_spec(self) -> PartitionSpec:
-        """Returns how the slot pools lie on the mesh: every device its own slots."""
+        """Returns how the arenas lie on the mesh: every device its own."""
         return PartitionSpec(self.axis_name, self.data_axes or None)
 
     @property
@@ -369,36 +374,32 @@ class Lowering:
         """Returns how many data-parallel shards each microbatch's rows are split into."""
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes], dtype=np.int64))
 
+    def arena_bytes(self) -> tuple[int, ...]:
+        """Returns the bytes of each of one device's arena buffers (``Arenas.sizes``; per
+        tensor-axis device: its parts)."""
+        return tuple(_slot_bytes(self.slot_dtypes, n) for n in self.arenas.sizes)
+
     def slot_pool_bytes(self) -> int:
-        """Returns the bytes of all residual, kept and stash slots of one device."""
-        tables = self.tables
-        res, kept, stash, _ = self.slot_bytes()
-        return (
-            res * tables.num_residual_slots
-            + kept * tables.num_kept_slots
-            + stash * tables.num_stash_slots
-        )
+        """Returns the bytes one device keeps the residual, kept and stash data in (its
+        arenas, ``pool_avals``)."""
+        return sum(self.arena_bytes())
 
     def pool_avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """Returns the slot pools' shapes, ``[pp devices, data-parallel shards, slots,
-        capacity]`` each: the residual pool per slot dtype, then the kept pool, then the stash
-        pool."""
+        """Returns the arenas' shapes, ``[pp devices, data-parallel shards, rows, elements]``
+        each (``Arenas.shape``), per arena buffer (``Arenas.sizes``) per slot dtype."""
         d, dp = self.tables.num_devices, self.data_parallel_size
-        # Over a tensor axis of T devices, [..., slots, T, capacity]: each its parts.
+        # Over a tensor axis of T devices, [..., rows, T, elements]: each its parts.
         T = self.layout.tensor_size
         blocks = (T,) if T > 1 else ()
         return tuple(
-            jax.ShapeDtypeStruct((d, dp, max(slots, 1), *blocks, c), dt)
-            for slots, capacity in (
-                (self.tables.num_residual_slots, self.residual_capacity),
-                (self.tables.num_kept_slots, self.kept_capacity),
-                (self.tables.num_stash_slots, self.stash_capacity),
-            )
-            for dt, c in zip(self.slot_dtypes, capacity, strict=True)
+            jax.ShapeDtypeStruct((d, dp, rows, *blocks, length), dt)
+            for b in range(len(self.arenas.sizes))
+            for k, dt in enumerate(self.slot_dtypes)
+            for rows, length in [self.arenas.shape(b, k)]
         )
 
     def new_pools(self) -> list[jax.Array]:
-        """Returns fresh slot pools to pass to ``step`` (zeros, each device's rows on it)."""
+        """Returns fresh arenas to pass to ``step`` (zeros, each device's rows on it)."""
         spec = self.pool_spec
         if self.layout.tensor_size > 1:
             spec = PartitionSpec(*spec, None, self.layout.tensor_axis)
@@ -419,8 +420,8 @@ class Lowering:
         Each device's grads stay in its row; every copy of a tied leaf holds the leaf's whole
         gradient (``unstage_leaves`` gives the user-layout gradients).
 
-        With ``pools`` (from ``new_pools`` or a previous step) the step keeps its residual and
-        stash slots in them instead of allocating new ones, and returns (loss, grads, pools):
+        With ``pools`` (from ``new_pools`` or a previous step) the step keeps its residuals and
+        W's stash in them instead of allocating new ones, and returns (loss, grads, pools):
         donate them to the jitted step and pass the returned ones to the next, and no step
         spends time initialising slot memory. Their contents between steps mean nothing.
         """
@@ -473,7 +474,7 @@ def lower(
     if tensor is not None:
         tensor_size = tensor[1]
         splits = [_tensor_splits(p, tensor) for p in programs]
-    slot_layouts, tables, capacities = _slots_and_tables(
+    slot_layouts, tables, capacities, arena = _slots_and_tables(
         programs, slot_dtypes, schedule, graph, positions, splits, tensor_size
     )
     residual_capacity, kept_capacity, stash_capacity, overlay_capacity = capacities
@@ -507,6 +508,7 @@ def lower(
         overlay_capacity=overlay_capacity,
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
+        arenas=arena,
     )
 
 
@@ -565,13 +567,37 @@ def _capacities(
     return residual, kept, none, stash
 
 
-#: ``_slots_and_tables`` overlays W's stash on B's residuals only when that saves at least this
-#: share of the slot bytes: B's outputs are then materialized before it writes the stash (see
-#: ``_make_action``), and W reads it from the larger residual pool.
+#: Every item of an arena starts at a multiple of this many bytes.
+ARENA_ALIGN_BYTES = 64
+
+
+def _item_size(layouts: Sequence[SlotLayout], group: str, stage: int, k: int, split: bool) -> int:
+    """Returns the elements of slot dtype ``k`` that one microbatch's ``group`` data of
+    ``stage`` takes in its arena (``zbjax.ticks.arenas``; ``split``: its backward runs as B and
+    W)."""
+    layout = layouts[stage]
+    if group == "residual":
+        if split and layout.overlay:  # B writes W's stash after the residuals W reads
+            return max(
+                layout.residual_sizes[k], layout.weight_residual_sizes[k] + layout.stash_sizes[k]
+            )
+        return layout.residual_sizes[k]
+    if group == "kept":
+        return layout.kept_sizes[k]
+    return 0 if layout.overlay or not split else layout.stash_sizes[k]
+
+
+#: ``_slots_and_tables`` overlays W's stash on B's residuals, or puts every group in one shared
+#: arena, only when that saves at least this share of the arena bytes: B's outputs are then
+#: materialized before it writes the stash (see ``_make_action``).
 OVERLAY_MIN_SAVING = 0.1
 
 #: The (``whole``, ``overlay``) of ``slot_layout`` that ``_slots_and_tables`` weighs.
 SLOT_CANDIDATES = tuple(itertools.product((False, True, None), (False, True)))
+
+#: Whether ``_slots_and_tables`` weighs an arena buffer per group (False), one shared by every
+#: group (True), or both (``zbjax.ticks.arenas``).
+ARENA_SHARING = (False, True)
 
 
 def _slots_and_tables(
@@ -582,20 +608,22 @@ def _slots_and_tables(
     positions: dict | None = None,
     splits: Sequence[tuple] | None = None,
     tensor_size: int = 1,
-) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...]]:
-    """Returns the slot layouts, tick tables and (residual, kept, stash, overlay region) slot
-    sizes per dtype that hold the fewest bytes of slots (``splits[s]``: stage ``s``'s
+) -> tuple[tuple[SlotLayout, ...], TickTables, tuple[tuple[int, ...], ...], Arenas]:
+    """Returns the slot layouts, tick tables, (residual, kept, stash, overlay region) slot
+    sizes per dtype and arenas that hold the fewest bytes (``splits[s]``: stage ``s``'s
     ``slot_layout`` splits over a tensor axis of ``tensor_size`` devices).
 
-    Pools are as large as the largest stage's values times the most slots in flight on any
-    device, so the best place for what W reads depends on the schedule. Six candidates are
-    counted (``slot_layout``'s ``whole`` and ``overlay``): every stage keeps it in kept slots,
-    every stage keeps its whole residual slot until W, or each stage decides by how much of its
-    slot W reads; each with B's stash in stash slots or over B's residuals in the residual slot.
-    A tie keeps the earlier candidate. An overlaid stash is taken only when it holds at least
-    ``OVERLAY_MIN_SAVING`` fewer bytes than the best layout with stash slots.
+    The arenas hold what is alive at once on the busiest device, so the best place for what W
+    reads depends on the schedule. Six layouts are counted (``slot_layout``'s ``whole`` and
+    ``overlay``): every stage keeps it in kept slots, every stage keeps its whole residual slot
+    until W, or each stage decides by how much of its slot W reads; each with B's stash in
+    stash slots or over B's residuals in the residual slot; and each with an arena buffer per
+    group or one shared by all (``zbjax.ticks.arenas``). A tie keeps the earlier candidate. A
+    candidate where B writes into the buffer it reads (overlaid or shared) is taken only when
+    it holds at least ``OVERLAY_MIN_SAVING`` fewer bytes than the best where it does not.
     """
     best: dict[bool, tuple] = {}
+    packed: dict[tuple, Arenas] = {}
     separate_w = any(a.kind == "W" for _, _, a in schedule.all_actions())
     for whole, overlay in SLOT_CANDIDATES:
         if overlay and not separate_w:
@@ -604,23 +632,49 @@ def _slots_and_tables(
             slot_layout(p, dtypes, whole, overlay, splits and splits[s], tensor_size)
             for s, p in enumerate(programs)
         )
+        kept = [s.has_kept for s in layouts]
+        until_weight = [s.weight_reads_residuals for s in layouts]
         tables = tick_tables(
             schedule,
             message_edges(graph),
-            kept=[s.has_kept for s in layouts],
-            residuals_until_weight=[s.weight_reads_residuals for s in layouts],
+            kept=kept,
+            residuals_until_weight=until_weight,
             positions=positions,
         )
         capacities = _capacities(layouts, tables)
-        counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
-        pools = zip(capacities[:3], counts, strict=True)
-        size = sum(_slot_bytes(dtypes, c) * n for c, n in pools)
-        if overlay not in best or size < best[overlay][0]:
-            best[overlay] = (size, layouts, tables, capacities)
-    stash, overlaid = best.get(False), best.get(True)
-    if overlaid and (stash is None or overlaid[0] <= (1 - OVERLAY_MIN_SAVING) * stash[0]):
-        return overlaid[1:]
-    return stash[1:]
+        size_of = functools.partial(_item_size, layouts)
+        items = tuple(
+            size_of(group, s, k, split)
+            for s in range(len(layouts))
+            for group in ARENA_GROUPS
+            for k in range(len(dtypes))
+            for split in (False, True)
+        )
+        for shared in ARENA_SHARING:
+            if shared and not separate_w:
+                continue  # B writes nothing: nothing to share with
+            # Layouts that differ only where no item does pack alike: pack them once.
+            signature = (tuple(kept), tuple(until_weight), items, shared)
+            if signature not in packed:
+                packed[signature] = arenas(
+                    tables,
+                    size_of,
+                    len(dtypes),
+                    kept,
+                    until_weight,
+                    [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes],
+                    shared=shared,
+                )
+            arena = packed[signature]
+            size = sum(_slot_bytes(dtypes, n) for n in arena.sizes)
+            # Overlaid or shared, B writes into the buffer it reads.
+            key = overlay or shared
+            if key not in best or size < best[key][0]:
+                best[key] = (size, layouts, tables, capacities, arena)
+    plain, rewritten = best.get(False), best.get(True)
+    if rewritten and (plain is None or rewritten[0] <= (1 - OVERLAY_MIN_SAVING) * plain[0]):
+        return rewritten[1:]
+    return plain[1:]
 
 
 def residual_sources(program: StageProgram) -> tuple[tuple[str, int], ...]:
@@ -697,31 +751,33 @@ def read_apart(read: Callable[[], Any], code: jax.Array) -> Any:
     )
 
 
-def _slot_start(slot: jax.Array, offset: int, blocked: bool) -> tuple:
-    """Returns the start index of (``slot``, [block 0,] ``offset``) in one integer dtype,
-    ``slot``'s (with ``jax_enable_x64`` a Python int would be int64 beside the int32 slot,
-    which the dynamic slices refuse), the constants as NumPy scalars, which the dynamic slices
-    take as they are, adding no equations to the trace."""
-    slot = jnp.asarray(slot)
-    const = slot.dtype.type
-    return (slot, const(0), const(offset)) if blocked else (slot, const(offset))
+def _item_start(bases: Sequence[tuple], k: int, offset: int, blocked: bool) -> tuple:
+    """Returns the start index of (row, [block 0,] start + ``offset``) for ``bases[k] = (row,
+    start)``, an item's place in the arena of dtype ``k``, and a value's offset in the item,
+    in the integer dtype of the tables (with ``jax_enable_x64`` a Python int would be int64
+    beside the int32 tables, which the dynamic slices refuse)."""
+    row, base = (jnp.asarray(i) for i in bases[k])
+    const = base.dtype.type
+    start = base + const(offset) if offset else base
+    return (row, const(0), start) if blocked else (row, start)
 
 
 def _read_slots(reads: Sequence[tuple], tensor_axis: str | None = None) -> list[jax.Array]:
-    """Returns the values ``reads`` name, each (buffers, slot, item): the value ``item`` names
-    in slot ``slot`` of its dtype's pool in ``buffers``. Over a tensor axis (pools ``[slots,
-    T, capacity]``, split over it along T) each device reads its parts, which one nested
-    ``shard_map`` for all of them turns into values split as their items say.
+    """Returns the values ``reads`` name, each (buffers, bases, item): the value ``item``
+    names in the item at ``bases[k]`` (row, start) of its dtype ``k``'s arena in ``buffers``.
+    Over a tensor axis (arenas ``[rows, T, elements]``, split over it along T) each device
+    reads its parts, which one nested ``shard_map`` for all of them turns into values split as
+    their items say.
 
-    Slots and offsets are never negative, so the slices skip JAX's wrapping of negative
-    indices (three equations per index): a stage's B reads tens of residuals at every tick."""
+    Starts are never negative, so the slices skip JAX's wrapping of negative indices (three
+    equations per index): a stage's B reads tens of residuals at every tick."""
     blocked = tensor_axis is not None
     out, shapes, splits = [], [], []
-    for buffers, slot, (k, offset, shape, split) in reads:
+    for buffers, bases, (k, offset, shape, split) in reads:
         size = int(np.prod(shape, dtype=np.int64))
         pool = buffers[k]
         sizes = (1, pool.shape[1], size) if blocked else (1, size)
-        start = _slot_start(slot, offset, blocked)
+        start = _item_start(bases, k, offset, blocked)
         value = jax.lax.dynamic_slice(pool, start, sizes, allow_negative_indices=False)
         out.append(jnp.reshape(value, sizes[1:] if blocked else shape))
         shapes.append(shape)
@@ -732,10 +788,10 @@ def _read_slots(reads: Sequence[tuple], tensor_axis: str | None = None) -> list[
 
 
 def _write_slots(writes: Sequence[tuple], tensor_axis: str | None = None) -> None:
-    """Writes values where ``writes`` say, each (buffers, slot, item, value): ``value`` where
-    ``item`` says in slot ``slot`` of its dtype's pool in ``buffers`` (a list, updated in
-    place; see ``_read_slots``; over a tensor axis one nested ``shard_map`` cuts every value
-    into its parts)."""
+    """Writes values where ``writes`` say, each (buffers, bases, item, value): ``value`` where
+    ``item`` says in the item at ``bases[k]`` of its dtype ``k``'s arena in ``buffers`` (a
+    list, updated in place; see ``_read_slots``; over a tensor axis one nested ``shard_map``
+    cuts every value into its parts)."""
     if not writes:
         return
     values = [_as_dtype(value, b[item[0]].dtype) for b, _, item, value in writes]
@@ -744,10 +800,10 @@ def _write_slots(writes: Sequence[tuple], tensor_axis: str | None = None) -> Non
         flats = to_blocks(tensor_axis, values, [item[3] for _, _, item, _ in writes], each=True)
     else:
         flats = values
-    for (buffers, slot, (k, offset, *_), _), flat in zip(writes, flats, strict=True):
+    for (buffers, bases, (k, offset, *_), _), flat in zip(writes, flats, strict=True):
         pool = buffers[k]
         flat = jnp.reshape(flat, (1, *pool.shape[1:-1], -1))
-        start = _slot_start(slot, offset, blocked)
+        start = _item_start(bases, k, offset, blocked)
         buffers[k] = jax.lax.dynamic_update_slice(pool, flat, start, allow_negative_indices=False)
 
 
@@ -761,9 +817,7 @@ def _as_dtype(value: Any, dtype: Any) -> jax.Array:
 class _TickState:
     """What one tick's actions update: the device's buffers and what leaves the device."""
 
-    residuals: list  # per slot dtype, [residual slots, capacity]
-    kept: list  # per slot dtype, [kept slots, capacity]
-    stash: list  # per slot dtype, [stash slots, capacity]
+    arenas: list  # per arena buffer, per slot dtype: the device's part of it
     grads: list  # per param dtype, the device's gradient row
     sends: list  # per shift, per message dtype, the payload to send
     loss: list  # the loss stage's outputs summed over its forwards so far: loss, then aux
@@ -771,7 +825,7 @@ class _TickState:
 
 jax.tree_util.register_dataclass(
     _TickState,
-    data_fields=["residuals", "kept", "stash", "grads", "sends", "loss"],
+    data_fields=["arenas", "grads", "sends", "loss"],
     meta_fields=[],
 )
 
@@ -795,10 +849,10 @@ def _finish_before_sending(
 
     Over a tensor axis (``tensor_axis``) each device takes the first element of its own part
     of each buffer, in a nested ``shard_map``: the first element of the whole buffer would have
-    XLA move the pools between devices (an all-to-all of every pool at every tick) to ravel
+    XLA move the arenas between devices (an all-to-all of every arena at every tick) to ravel
     them. The parts' elements differ between devices, which the never-taken select hides.
     """
-    pools = [*state.residuals, *state.kept, *state.stash]
+    pools = [b for buffer in state.arenas for b in buffer]
     if not any(b.size for b in [*pools, *state.grads, *state.loss]):
         return state
 
@@ -809,7 +863,7 @@ def _finish_before_sending(
     if tensor_axis is None:
         dep = first_elements(pools, state.grads, state.loss)
     else:
-        # Pools are [slots, T, capacity] and gradient rows [T * n], split over the axis along
+        # Arenas are [rows, T, elements] and gradient rows [T * n], split over the axis along
         # T; the loss is whole.
         specs = (
             [PartitionSpec(None, tensor_axis)] * len(pools),
@@ -833,19 +887,20 @@ def _finish_before_sending(
 def _make_action(low: Lowering, kind: int, stage_index: int):
     """Returns the function running action ``kind`` of stage ``stage_index`` for one tick.
 
-    It takes the tick state and returns it updated in place: F writes its residuals into a
-    residual slot and a kept slot, B reads them and writes the rest of W's stash into a stash
-    slot (or, overlaid, over the residuals of its slot that only it read), W reads the kept
-    and stash slots, W and BW add their weight gradient into the gradient row; F, B and BW put
-    the messages they send into the send payloads. XLA keeps a buffer in place through the
-    conditional that runs the action only when the branch's data dependencies order every
-    read of it before its first write (otherwise it copies the pool every tick): F writes
-    pools it does not read, W reads pools it does not write, a B with stash slots writes only
-    the stash pool, which it does not read, and an overlaid B, which reads and writes the
-    residual pool, runs its backward in a nested conditional (a predicate that is always true
-    at run time) whose outputs are whole buffers, so that every read of the pool is done
-    before the stash is written over it. Without the nested conditional XLA fuses reads of the
-    pool into the writes and into work it schedules after them, and copies the pool.
+    It takes the tick state and returns it updated in place: F writes its residuals into its
+    residual item and its kept item (``zbjax.ticks.arenas``), B reads them and writes the rest
+    of W's stash into its stash item (or, overlaid, over the residuals of its residual item
+    that only it read), W reads the kept and stash items, W and BW add their weight gradient
+    into the gradient row; F, B and BW put the messages they send into the send payloads. XLA
+    keeps a buffer in place through the conditional that runs the action only when the
+    branch's data dependencies order every read of it before its first write (otherwise it
+    copies the buffer every tick): F writes buffers it does not read, W reads buffers it does
+    not write, a B with a stash buffer of its own writes only that, which it does not read,
+    and a B that writes the buffer it reads (overlaid, or one arena buffer shared by every
+    group) runs its backward in a nested conditional (a predicate that is always true at run
+    time) whose outputs are whole buffers, so that every read of the buffer is done before the
+    stash is written into it. Without the nested conditional XLA fuses reads of the buffer
+    into the writes and into work it schedules after them, and copies the buffer.
     """
     graph, tables, layout = low.graph, low.tables, low.layout
     edges = tables.edges
@@ -856,7 +911,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     program = low.programs[stage_index]
     name = f"{_KIND_SCOPE[kind]} s{stage_index}"
     slots = low.slot_layouts[stage_index]
-    # Over a tensor axis the pools hold each device's parts: [slots, T, capacity].
+    # Over a tensor axis the arenas hold each device's parts: [rows, T, elements].
     tensor_axis = low.layout.tensor_axis if low.layout.tensor_size > 1 else None
 
     def overlay_item(item):
@@ -875,6 +930,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     n_outputs = len(stage.output_differentiable)
     n_in_cts = sum(stage.input_differentiable)
     stash_apart = reads_stash_apart(low.mesh.devices)
+    # B writes a stash into the buffer it reads its residuals from.
+    writes_shared = low.arenas.shared and any(where == "stash" for where, _ in slots.stash)
 
     def place_sends(sends, values_of_edge, send_position):
         # Each message goes to its shift's payload (capacity-sized blocks) at the position the
@@ -931,8 +988,11 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
         return place_sends(sends, values_of_edge, send_position)
 
     def action(state: _TickState, ctx: dict) -> _TickState:
-        residual_buf, kept_buf = list(state.residuals), list(state.kept)
-        stash_buf, grads = list(state.stash), list(state.grads)
+        # One list per buffer; groups sharing a buffer share its list, so that what one
+        # writes the others read.
+        buffers = [list(b) for b in state.arenas]
+        residual_buf, kept_buf, stash_buf = (buffers[b] for b in low.arenas.group_buffer)
+        grads = list(state.grads)
         sends, loss = state.sends, state.loss
 
         def batch_mb(j):
@@ -949,16 +1009,16 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 else []
             )
             pools = {
-                "residual": (residual_buf, ctx["residual_read"]),
-                "kept": (kept_buf, ctx["kept_read"]),
-                "stash": (stash_buf, ctx["stash_read"]),
+                "residual": (residual_buf, ctx["residual_at"]),
+                "kept": (kept_buf, ctx["kept_at"]),
+                "stash": (stash_buf, ctx["stash_at"]),
             }
 
             def read(positions):
                 # The values at ``positions``, those in slots read together.
                 def where_found(where, what):
                     if where == "overlay":
-                        return residual_buf, ctx["residual_read"], overlay_item(what)
+                        return residual_buf, ctx["residual_at"], overlay_item(what)
                     return (*pools[where], what)
 
                 in_slots = [i for i in positions if sources[i][0] in (*pools, "overlay")]
@@ -1001,8 +1061,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                         ctx["send_position"],
                     )
                 writes = {
-                    "residual": (residual_buf, ctx["residual_write"]),
-                    "kept": (kept_buf, ctx["kept_write"]),
+                    "residual": (residual_buf, ctx["residual_at"]),
+                    "kept": (kept_buf, ctx["kept_at"]),
                 }
                 stored = [
                     (*writes[where], item, value)
@@ -1018,7 +1078,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     messages = incoming(ctx["messages"], ctx["message_read"])
                     return eval_jaxpr_here(jaxpr, *residuals, *output_cotangents(messages))
 
-                if kind == BACKWARD_INPUT and slots.overlay:
+                if kind == BACKWARD_INPUT and (slots.overlay or writes_shared):
                     outs = read_apart(backward, ctx["code"])  # see the docstring
                 else:
                     outs = backward()
@@ -1026,9 +1086,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 sends = input_cotangent_sends(sends, in_cts, ctx["send_position"])
                 if kind == BACKWARD_INPUT:
                     stashed = [
-                        (stash_buf, ctx["stash_write"], item, value)
+                        (stash_buf, ctx["stash_at"], item, value)
                         if where == "stash"
-                        else (residual_buf, ctx["residual_read"], overlay_item(item), value)
+                        else (residual_buf, ctx["residual_at"], overlay_item(item), value)
                         for (where, item), value in zip(slots.stash, rest, strict=True)
                         if where in ("stash", "overlay")
                     ]
@@ -1040,7 +1100,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 stash = resolve(slots.stash, apart=apart if stash_apart else ())
                 param_cts = eval_jaxpr_here(program.backward_weight, *stash)
                 _add_gradients(layout, stage_index, grads, param_cts)
-        return _TickState(residual_buf, kept_buf, stash_buf, grads, sends, loss)
+        return _TickState(buffers, grads, sends, loss)
 
     return action
 
@@ -1069,7 +1129,8 @@ def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_ct
 
 def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
     """Returns the per-tick tables the scan consumes, each ``[num_ticks, num_devices, lanes,
-    ...]`` (``message_write``: ``[num_ticks, num_devices, shifts, messages]``)."""
+    ...]`` (``message_write``: ``[num_ticks, num_devices, shifts, messages]``; the arena
+    rows and offsets ``[..., lanes, groups, slot dtypes]``)."""
     tables = low.tables
     action = np.zeros(tables.kind.shape, np.int32)
     for lane in range(tables.num_lanes):
@@ -1089,12 +1150,7 @@ def _tick_inputs(low: Lowering) -> tuple[np.ndarray, ...]:
     return (
         action,
         tables.microbatch,
-        tables.residual_read,
-        tables.residual_write,
-        tables.kept_read,
-        tables.kept_write,
-        tables.stash_read,
-        tables.stash_write,
+        *low.arenas.row_offsets(),
         tables.message_read,
         tables.message_write,
         tables.send_position,
@@ -1143,16 +1199,15 @@ def _run(
             # can skip it do).
             pools = [uninitialized(a.shape[2:], a.dtype) for a in low.pool_avals()]
         n = num_slot_dtypes
-        residual_buf, kept_buf, stash_buf = pools[:n], pools[n : 2 * n], pools[2 * n :]
+        arena_bufs = [pools[b * n : (b + 1) * n] for b in range(len(low.arenas.sizes))]
         message_buf = [
             jnp.zeros((msg_slots, c), dt)
             for dt, c in zip(low.message_dtypes, low.message_capacity, strict=True)
         ]
 
         def tick(carry, x):
-            residual_buf, kept_buf, stash_buf, grads, message_buf, sends, loss_sum = carry
-            (code, micro, res_read, res_write, kept_read, kept_write, st_read, st_write,
-             msg_read, msg_write, send_pos, exchange) = x  # fmt: skip
+            arena_bufs, grads, message_buf, sends, loss_sum = carry
+            code, micro, arena_row, arena_at, msg_read, msg_write, send_pos, exchange = x
 
             def deliver(message_buf, payload, k, n):
                 # Positions 0..n-1 of shift k's payload, arrived, into the slots the tables give.
@@ -1172,7 +1227,7 @@ def _run(
             # The send payloads are carried from tick to tick, not refilled: an action writes
             # the positions it sends, and whatever a position held before goes, if it travels
             # at all, to the spare message slot.
-            state = _TickState(residual_buf, kept_buf, stash_buf, grads, sends, _zeros(loss_avals))
+            state = _TickState(arena_bufs, grads, sends, _zeros(loss_avals))
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
             # buffers in place on XLA. Kind by kind (``PHASES``), lanes in order within a kind.
@@ -1183,12 +1238,14 @@ def _run(
                     micro=micro[lane],
                     messages=message_buf,
                     message_read=msg_read[lane],
-                    residual_read=res_read[lane],
-                    residual_write=res_write[lane],
-                    kept_read=kept_read[lane],
-                    kept_write=kept_write[lane],
-                    stash_read=st_read[lane],
-                    stash_write=st_write[lane],
+                    # Where the lane's (stage, microbatch) data starts, per slot dtype.
+                    **{
+                        f"{group}_at": [
+                            (arena_row[lane, g, k], arena_at[lane, g, k])
+                            for k in range(num_slot_dtypes)
+                        ]
+                        for g, group in enumerate(ARENA_GROUPS)
+                    },
                     send_position=send_pos[lane],
                     code=code[lane],
                 )
@@ -1240,9 +1297,7 @@ def _run(
                             payload,
                         )
             carry = (
-                state.residuals,
-                state.kept,
-                state.stash,
+                state.arenas,
                 state.grads,
                 message_buf,
                 state.sends,
@@ -1259,10 +1314,8 @@ def _run(
             ]
             for n in tables.messages_per_shift
         ]
-        carry = (residual_buf, kept_buf, stash_buf, grads, message_buf, sends, zero)
-        (residual_buf, kept_buf, stash_buf, grads, _, _, loss_sum), _ = jax.lax.scan(
-            tick, carry, xs
-        )
+        carry = (arena_bufs, grads, message_buf, sends, zero)
+        (arena_bufs, grads, _, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         # The loss and its aux, summed on the loss stage's device: their means, on every device.
         loss = [t / num_micro for t in jax.lax.psum(loss_sum, axis)]
         if data_axes:
@@ -1271,7 +1324,7 @@ def _run(
             grads = [jax.lax.pmean(g, data_axes) for g in grads]
         # Every copy of a tied leaf gets the leaf's whole gradient; the rest stay where they are.
         grads = sum_shared_gradients(low.layout, grads, axis)
-        pools = (*residual_buf, *kept_buf, *stash_buf)
+        pools = [b for buffer in arena_bufs for b in buffer]
         out_pools = [p[None, None] for p in pools] if given_pools else []
         return loss, [g[None] for g in grads], out_pools
 

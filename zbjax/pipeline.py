@@ -108,12 +108,12 @@ class _Built:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Buffers:
-    """The slot pools one pipelined step keeps its residuals and W's stash in (a pytree).
+    """The arenas one pipelined step keeps its residuals and W's stash in (a pytree).
 
     Made by ``Pipeline.init_buffers`` for one set of input shapes; ``value_and_grad(...,
     buffers=b)`` runs the step in them instead of allocating its own and returns them, to be
     passed to the next step. Donate them to your ``jax.jit`` (``donate_argnums``) and no step
-    spends time allocating and initialising slot memory. Their contents between steps mean
+    spends time allocating and initialising them. Their contents between steps mean
     nothing.
     """
 
@@ -121,7 +121,7 @@ class Buffers:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pools hold over all devices."""
+        """Bytes the arenas hold over all devices."""
         return sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in self.pools)
 
     def __repr__(self) -> str:
@@ -243,9 +243,9 @@ class Pipeline:
         ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i``.
 
         With ``buffers`` (from ``init_buffers``, or returned by the previous step), the step
-        keeps its residual and stash slots in them and returns (loss, grads, buffers): pass
+        keeps its residuals and W's stash in them and returns (loss, grads, buffers): pass
         the returned ones to the next step. Inside your ``jax.jit``, donate them
-        (``donate_argnums``) and return them, so that no step allocates or zeroes slot memory
+        (``donate_argnums``) and return them, so that no step allocates or zeroes that memory
         (on CPU a memory pass per step, which ``keep_buffers`` saves only outside a ``jit``).
         Outside a ``jit`` the buffers passed in are donated and deleted.
         """
@@ -254,15 +254,15 @@ class Pipeline:
             self._check_buffers(buffers, built)
             return built.step_with_pools(params, batch, key, buffers)
         if self.keep_buffers and not _traced((params, batch, key)):
-            # The slot pools of the previous call are donated to this one, so no step spends
-            # time allocating and initialising them.
+            # The arenas of the previous call are donated to this one, so no step spends time
+            # allocating and initialising them.
             pools = self._pools.pop(id(built), None) or _new_buffers(built)
             loss, grads, self._pools[id(built)] = built.step_with_pools(params, batch, key, pools)
             return loss, grads
         return built.step(params, batch, key)
 
     def init_buffers(self, params: Any, batch: Any, key: jax.Array | None = None) -> Buffers:
-        """Returns new slot pools for ``value_and_grad(params, batch, key, buffers=...)``
+        """Returns new arenas for ``value_and_grad(params, batch, key, buffers=...)``
         with inputs of these shapes (each device's rows on it; ``params`` in either layout)."""
         return _new_buffers(self._get(params, batch, key))
 
@@ -548,8 +548,7 @@ class Pipeline:
         low = built.lowering
         costs = _program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
-        res_bytes, kept_bytes, stash_bytes, msg_bytes = low.slot_bytes()
-        overlay_bytes = low.overlay_bytes()
+        msg_bytes = low.slot_bytes()[3]
         lines = [
             f"zbjax pipeline: schedule {built.schedule.name}, {built.graph.num_stages} stages on "
             f"{self.num_devices} devices (axis {self.axis_name!r}), "
@@ -572,15 +571,10 @@ class Pipeline:
             f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
             f"lockstep ticks: {low.tables.num_ticks} ({low.tables.num_packed} actions packed "
             "after another in their tick); "
-            f"residual slots per device: "
-            f"{low.tables.num_residual_slots} x {res_bytes:,} B; kept until W: "
-            f"{low.tables.num_kept_slots} x {kept_bytes:,} B; "
-            + (
-                f"W stash: written by B over its residual slot ({overlay_bytes:,} B of it)"
-                if overlay_bytes
-                else f"W stash slots: {low.tables.num_stash_slots} x {stash_bytes:,} B"
-            )
-            + f"; message slots: {low.tables.num_message_slots} x {msg_bytes:,} B",
+            f"activations between actions, per device: {_arena_text(low)}; in flight at "
+            f"most: {low.tables.num_residual_slots} F to B, {low.tables.num_kept_slots} F to "
+            f"W, {low.tables.num_stash_slots} B to W; message slots: "
+            f"{low.tables.num_message_slots} x {msg_bytes:,} B",
             f"staged params per device: {low.layout.bytes_per_device():,} B",
         ]
         if compiled is None and self._last_inputs is not None:
@@ -970,6 +964,23 @@ def _replicated(staged: StagedParams, mesh: Any) -> StagedParams:
         return staged
     sharding = NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(lambda r: jax.reshard(r, sharding), staged)
+
+
+def _arena_text(low: Lowering) -> str:
+    """Returns the bytes of the step's arenas (``zbjax.ticks.arenas``) as the report says them."""
+    sizes = low.arena_bytes()
+    overlaid = (
+        " (B writes W's stash over the residuals only it read)"
+        if any(s.overlay for s in low.slot_layouts)
+        else ""
+    )
+    if low.arenas.shared:
+        return f"{sizes[0]:,} B in one arena for residuals, kept residuals and W's stash{overlaid}"
+    res, kept, stash = sizes
+    return (
+        f"{sum(sizes):,} B in arenas: residuals {res:,} B, kept until W {kept:,} B, "
+        f"W stash {stash:,} B{overlaid}"
+    )
 
 
 def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) -> list[str]:

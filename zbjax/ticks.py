@@ -30,12 +30,16 @@ number of items in flight (interval colouring), never by the number of microbatc
 
 Tables name the index one past the last slot (a *spare*) where an action reads or writes
 nothing. The message pool allocates that spare: every tick stores whatever arrives.
+
+The slot counts say how many items of each kind a device holds at once; the lowering keeps
+the residual, kept and stash items in *arenas* (``arenas``): flat buffers where each item
+takes its own stage's size, packed with the items alive at the same time (``pack_intervals``).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -825,6 +829,250 @@ def incoming_messages(edges: Sequence[MessageEdge], stage: int, backward: bool) 
     return tuple(i for i, e in enumerate(edges) if e.dst == stage)
 
 
+def _lifetimes(
+    tick_of: dict[Action, int],
+    placement: Sequence[int],
+    num_devices: int,
+    kept: Sequence[bool],
+    residuals_until_weight: Sequence[bool],
+) -> tuple[list[list], list[list], list[list]]:
+    """Returns per device the half-open intervals ``(start, end, (stage, microbatch))`` of the
+    residual, kept and stash data of every (stage, microbatch) run there, on the clock of
+    ``tick_of`` (each action's tick times ``len(PHASES)`` plus its phase).
+
+    Residuals live from F until B or BW (until W where ``residuals_until_weight``), kept
+    residuals from F until W or BW (stages with ``kept``), the stash from B until W."""
+    residual: list[list] = [[] for _ in range(num_devices)]
+    kept_out: list[list] = [[] for _ in range(num_devices)]
+    stash: list[list] = [[] for _ in range(num_devices)]
+    for action, tick in tick_of.items():
+        if action.kind != "F":
+            continue
+        s, i = action.stage, action.microbatch
+        last = Action("W", s, i) if Action("B", s, i) in tick_of else Action("BW", s, i)
+        if last not in tick_of:
+            raise ScheduleError(
+                f"dependency rule: {action} has no backward ({last}) in the schedule; "
+                "every forward needs a backward"
+            )
+        if kept[s]:
+            kept_out[placement[s]].append((tick, tick_of[last], (s, i)))
+        if last.kind == "W":
+            stash[placement[s]].append((tick_of[Action("B", s, i)], tick_of[last], (s, i)))
+            if not residuals_until_weight[s]:
+                last = Action("B", s, i)
+        residual[placement[s]].append((tick, tick_of[last], (s, i)))
+    return residual, kept_out, stash
+
+
+def pack_intervals(
+    intervals: Sequence[tuple[int, int, object]],
+    size_of: Callable[[object], int],
+    align: int = 1,
+    bank: int | None = None,
+) -> tuple[dict, int]:
+    """Returns (owner -> offset, total size) placing each half-open interval ``(start, end,
+    owner)``'s ``size_of(owner)`` elements (rounded up to a multiple of ``align``) in one
+    buffer so that no two intervals that overlap in time overlap in it, and none crosses a
+    multiple of ``bank`` (if given).
+
+    First fit (the lowest offset that is free over the interval's whole life), tried in order
+    of start and, where sizes differ, in order of decreasing size; the smaller buffer wins. In
+    start order, equal sizes are placed as ``_colour_intervals`` places slots (optimal for
+    intervals), so this never needs more than slots of the largest size would hold."""
+    items = [
+        (start, end, owner, -(-int(size_of(owner)) // align) * align)
+        for start, end, owner in intervals
+    ]
+    items = [item for item in items if item[3]]
+    orders = [sorted(items, key=lambda x: (x[0], x[1]))]
+    if len({item[3] for item in items}) > 1:
+        orders.append(sorted(items, key=lambda x: (-x[3], x[0], x[1])))
+    # No placement needs less than what is alive at once: one that needs that is the best.
+    events = sorted([(e, -n) for _, e, _, n in items] + [(s, n) for s, _, _, n in items])
+    alive = np.cumsum([n for _, n in events]) if events else np.zeros(1, np.int64)
+    least = int(alive.max(initial=0))
+    best: tuple[dict, int] = ({owner: 0 for _, _, owner in intervals}, 0)
+    for n, order in enumerate(orders):
+        starts = np.array([x[0] for x in order], np.int64)
+        ends = np.array([x[1] for x in order], np.int64)
+        lows = np.zeros(len(order), np.int64)
+        highs = np.zeros(len(order), np.int64)
+        for j, (start, end, _, size) in enumerate(order):
+            clash = np.flatnonzero((starts[:j] < end) & (start < ends[:j]))
+            clash = clash[np.argsort(lows[clash], kind="stable")]
+            if bank is not None and size > bank:
+                raise ValueError(f"an item of {size} elements cannot fit a bank of {bank}")
+            floor = 0
+            while True:
+                offset = floor
+                for c in clash:
+                    if offset + size <= lows[c]:
+                        break
+                    offset = max(offset, int(highs[c]))
+                if bank is None or offset // bank == (offset + size - 1) // bank:
+                    break
+                floor = (offset // bank + 1) * bank  # into the next bank
+            lows[j], highs[j] = offset, offset + size
+        total = int(highs.max(initial=0))
+        if n == 0 or total < best[1]:
+            where = {owner: 0 for _, _, owner in intervals}
+            where.update({x[2]: int(o) for x, o in zip(order, lows, strict=True)})
+            best = (where, total)
+        if total <= least and bank is None:
+            break
+    return best
+
+
+#: The groups of an arena's items: what F stores for B (until B, or W), what it stores that W
+#: reads too (until W), and what B stashes for W.
+ARENA_GROUPS = ("residual", "kept", "stash")
+
+
+@dataclass(frozen=True)
+class Arenas:
+    """Where the lowering keeps each (stage, microbatch)'s data between its actions.
+
+    ``sizes[b][k]`` is the elements of slot dtype ``k`` in buffer ``b`` on every device (the
+    most any device needs); group ``g`` (``ARENA_GROUPS``) lives in buffer ``group_buffer[g]``:
+    one buffer for all three (``shared``) or one each. ``offsets[t, d, lane, g, k]`` is where
+    the group-``g`` data of dtype ``k`` of the (stage, microbatch) whose action runs in that
+    lane starts in its buffer (0 where the lane idles or the action has none).
+
+    Unlike slot pools (every slot as large as the largest stage's data, as many as the busiest
+    device holds at once), each item takes its own stage's size and the space of items whose
+    lives do not overlap (``pack_intervals``); in one shared buffer, a device whose residuals
+    take the most room and one whose kept residuals and stashes do need no room for each
+    other's peaks."""
+
+    sizes: tuple[tuple[int, ...], ...]
+    group_buffer: tuple[int, ...]
+    offsets: np.ndarray
+    #: ``banks[b][k]``: buffer ``b``'s dtype-``k`` elements are ``banks[b][k]`` rows of
+    #: ``sizes[b][k] // banks[b][k]`` (1 unless it would hold more than ``ARENA_BANK``
+    #: elements, which int32 indices cannot address); no item crosses a row.
+    banks: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        """Returns whether the three groups share one buffer (B then writes where it reads)."""
+        return len(self.sizes) == 1
+
+    def shape(self, buffer: int, k: int) -> tuple[int, int]:
+        """Returns (rows, elements per row) of buffer ``buffer``'s dtype-``k`` arena."""
+        rows = self.banks[buffer][k] if self.banks else 1
+        return rows, self.sizes[buffer][k] // rows
+
+    def row_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """Returns ``offsets`` as (row, offset within the row) tables, int32."""
+        length = np.ones(self.offsets.shape[-2:], np.int64)
+        for g, b in enumerate(self.group_buffer):
+            for k in range(self.offsets.shape[-1]):
+                length[g, k] = max(self.shape(b, k)[1], 1)
+        rows, within = np.divmod(self.offsets, length)
+        return rows.astype(np.int32), within.astype(np.int32)
+
+
+#: The most elements one row of an arena holds: int32 indices address no more.
+ARENA_BANK = 2**31 - 2**16
+
+
+def arenas(
+    tables: TickTables,
+    size_of: Callable[[str, int, int, bool], int],
+    num_dtypes: int,
+    kept: Sequence[bool],
+    residuals_until_weight: Sequence[bool],
+    align: Sequence[int] | None = None,
+    shared: bool = False,
+    limit: int | None = None,
+) -> Arenas:
+    """Returns the arenas that hold the data of ``tables``'s actions.
+
+    ``size_of(group, stage, dtype, split)`` is how many elements of slot dtype ``dtype`` the
+    group's data of one microbatch of ``stage`` takes (``split``: whether that microbatch's
+    backward runs as B and W); ``kept`` and ``residuals_until_weight`` as for ``tick_tables``
+    (the same lives). ``align[k]``: the multiple of elements every item of dtype ``k`` starts
+    at. ``shared``: one buffer for the three groups, else one per group. ``limit``: the most
+    elements a row of a buffer may hold (``ARENA_BANK`` by default).
+
+    Lives are measured on a clock of (tick, phase, lane): an item a device's action reads for
+    the last time is free for an item the same action writes (B's stash over its own
+    residuals), never for one another action writes in the same tick.
+    """
+    limit = ARENA_BANK if limit is None else limit
+    num_phases, num_lanes = len(PHASES), tables.num_lanes
+    tick_of = {}
+    at_of: dict[tuple[int, int], list] = {}
+    for (t, d, lane), code in np.ndenumerate(tables.kind):
+        if code != IDLE:
+            s, i = int(tables.stage[t, d, lane]), int(tables.microbatch[t, d, lane])
+            name = KIND_NAMES[int(code)]
+            tick_of[Action(name, s, i)] = (t * num_phases + PHASES[name]) * num_lanes + lane
+            at_of.setdefault((s, i), []).append((t, d, lane))
+    split = {(a.stage, a.microbatch) for a in tick_of if a.kind == "W"}
+    lives = _lifetimes(tick_of, tables.placement, tables.num_devices, kept, residuals_until_weight)
+    align = align or (1,) * num_dtypes
+    groups = range(len(ARENA_GROUPS))
+    buffers = [tuple(groups)] if shared else [(g,) for g in groups]
+    offsets = np.zeros(tables.kind.shape + (len(ARENA_GROUPS), num_dtypes), np.int64)
+    sizes, banks = [], []
+    for members in buffers:
+        buffer_sizes, buffer_banks = [], []
+        for k in range(num_dtypes):
+
+            def pack(bank, members=members, k=k):
+                # Per device: where each item goes, and the most any device needs.
+                packed = [
+                    pack_intervals(
+                        [(a, b, (g, owner)) for g in members for a, b, owner in lives[g][d]],
+                        lambda item: size_of(
+                            ARENA_GROUPS[item[0]], item[1][0], k, item[1] in split
+                        ),
+                        align[k],
+                        bank,
+                    )
+                    for d in range(tables.num_devices)
+                ]
+                return packed, max((total for _, total in packed), default=0)
+
+            packed, largest = pack(None)
+            rows = 1
+            if largest > limit:
+                # Past what int32 indices address: rows of equal length no item crosses.
+                biggest, group, stage = max(
+                    (size_of(ARENA_GROUPS[g], owner[0], k, owner in split), g, owner[0])
+                    for g in members
+                    for device in lives[g]
+                    for _, _, owner in device
+                )
+                if biggest > limit:
+                    raise ScheduleError(
+                        f"one microbatch's {ARENA_GROUPS[group]} data of stage {stage} takes "
+                        f"{biggest} elements of one dtype, more than int32 indices address "
+                        f"({limit}); use more, smaller microbatches or more stages"
+                    )
+                rows, unbanked = -(-largest // limit), largest
+                while True:
+                    length = max(-(-unbanked // rows), biggest)
+                    length = min(-(-length // align[k]) * align[k], limit)
+                    packed, largest = pack(length)
+                    if largest <= rows * length:
+                        largest = rows * length
+                        break
+                    rows += 1
+            for where, _ in packed:
+                for (g, owner), offset in where.items():
+                    for at in at_of[owner]:
+                        offsets[at + (g, k)] = offset
+            buffer_sizes.append(largest)
+            buffer_banks.append(rows)
+        sizes.append(tuple(buffer_sizes))
+        banks.append(tuple(buffer_banks))
+    group_buffer = tuple(next(b for b, m in enumerate(buffers) if g in m) for g in groups)
+    return Arenas(tuple(sizes), group_buffer, offsets, tuple(banks))
+
+
 def _colour_intervals(intervals: Sequence[tuple[int, int, object]]) -> tuple[dict, int]:
     """Returns (owner -> slot, number of slots) for half-open tick intervals [start, end).
 
@@ -923,29 +1171,9 @@ def tick_tables(
         kept = (True,) * schedule.num_stages
     if residuals_until_weight is None:
         residuals_until_weight = (False,) * schedule.num_stages
-    # Per device: residual slots live from F until B or BW, kept slots from F until W or BW,
-    # stash slots from B until W.
-    residual_intervals: list[list] = [[] for _ in range(num_devices)]
-    kept_intervals: list[list] = [[] for _ in range(num_devices)]
-    stash_intervals: list[list] = [[] for _ in range(num_devices)]
-    for action, tick in tick_of.items():
-        if action.kind == "F":
-            s, i = action.stage, action.microbatch
-            last = Action("W", s, i) if kinds.get((s, i)) == "B" else Action("BW", s, i)
-            if last not in tick_of:
-                raise ScheduleError(
-                    f"dependency rule: {action} has no backward ({last}) in the schedule; "
-                    "every forward needs a backward"
-                )
-            if kept[s]:
-                kept_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
-            if last.kind == "W":
-                stash_intervals[placement[s]].append(
-                    (tick_of[Action("B", s, i)], tick_of[last], (s, i))
-                )
-                if not residuals_until_weight[s]:
-                    last = Action("B", s, i)
-            residual_intervals[placement[s]].append((tick, tick_of[last], (s, i)))
+    residual_intervals, kept_intervals, stash_intervals = _lifetimes(
+        tick_of, placement, num_devices, kept, residuals_until_weight
+    )
     residual_slots = [_colour_intervals(iv) for iv in residual_intervals]
     num_residual_slots = max((n for _, n in residual_slots), default=0)
     kept_slots = [_colour_intervals(iv) for iv in kept_intervals]
