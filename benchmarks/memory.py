@@ -2,10 +2,10 @@
 
 For every schedule on a 4-device CPU mesh and m in {4, 8, 16}, a GPT pipeline step (staged
 params) is compiled and ``compiled.memory_analysis()`` read: ``argument_size_in_bytes`` (the
-device's parameter row plus the batch) and ``temp_size_in_bytes`` (activation buffers, ring
-buffers, gradient accumulators). Next to them: the schedule's simulated peak activation memory
+device's parameter row plus the batch) and ``temp_size_in_bytes`` (activation buffers,
+arenas, gradient accumulators). Next to them: the schedule's simulated peak activation memory
 (in M_B units, ``simulate(...).peak_memory``) times the stage program's ``activation_bytes``,
-and the residual ring buffer the lowering allocates (slots x slot bytes). Writes the section
+and the arenas the lowering keeps activations in between actions. Writes the section
 "memory" of ``benchmarks/RESULTS.md`` and ``benchmarks/figures/memory.png``.
 
 Run: ``python benchmarks/memory.py [--microbatches 4 8 16]``.
@@ -26,11 +26,13 @@ import jax
 import numpy as np
 
 import zbjax
+from zbjax import lower as zlower
 from zbjax import schedules
-from zbjax.lower import lower
+from zbjax.lower import Lowering, lower
 from zbjax.partition import partition
 from zbjax.split import split, split_stage
 from zbjax.stages import StageProgram
+from zbjax.ticks import choose_ticks, tick_tables
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import save_figure, write_section
@@ -74,7 +76,8 @@ class Row:
     temp_bytes: int
     peak_units: float  # simulated peak activation memory, M_B units, largest device
     predicted_bytes: float  # peak_units x that device's stage activation_bytes
-    ring_bytes: int  # residual, kept and stash slots the lowering allocates per device
+    ring_bytes: int  # the arenas the lowering allocates per device (residuals, kept, stash)
+    slot_bytes: int  # what pools of equal slots would hold for the same layout
     ring_slots: int
     kept_slots: int
     stash_slots: int
@@ -109,8 +112,8 @@ def predicted_peak(
 ) -> tuple[float, float]:
     """Returns (largest per-device peak in M_B units, the same in bytes) from the simulator.
 
-    A device's M_B is the largest ``activation_bytes`` among its stages (the lowering sizes every
-    slot for the largest stage).
+    A device's M_B is the largest ``activation_bytes`` among its stages (of two stages on a
+    device, the larger one's microbatches may be the ones in flight at the peak).
     """
     result = schedules.simulate(schedule, program_costs(programs))
     best_units, best_bytes = 0.0, 0.0
@@ -156,10 +159,45 @@ def measure(
         peak_units,
         peak_bytes,
         lowering.slot_pool_bytes(),
+        equal_slot_bytes(lowering),
         tables.num_residual_slots,
         tables.num_kept_slots,
         tables.num_stash_slots if lowering.slot_bytes()[2] else 0,  # none when overlaid
     )
+
+
+def equal_slot_bytes(lowering: Lowering) -> int:
+    """Returns the bytes the lowering held before its arenas, in pools of equal slots: per
+    kind as many slots as the busiest device holds at once, each as large as the largest
+    stage's item, the layout of ``SLOT_CANDIDATES`` with the fewest such bytes (overlaid only
+    where that saves ``OVERLAY_MIN_SAVING``), as ``_slots_and_tables`` chose it then."""
+    schedule, dtypes = lowering.schedule, lowering.slot_dtypes
+    positions = choose_ticks(schedule, None)
+    separate_w = any(a.kind == "W" for *_, a in schedule.all_actions())
+    best: dict[bool, int] = {}
+    for whole, overlay in zlower.SLOT_CANDIDATES:
+        if overlay and not separate_w:
+            continue
+        layouts = [zlower.slot_layout(p, dtypes, whole, overlay) for p in lowering.programs]
+        tables = tick_tables(
+            schedule,
+            zlower.message_edges(lowering.graph),
+            kept=[s.has_kept for s in layouts],
+            residuals_until_weight=[s.weight_reads_residuals for s in layouts],
+            positions=positions,
+        )
+        capacities = zlower._capacities(layouts, tables)
+        counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
+        size = sum(
+            zlower._slot_bytes(dtypes, c) * n for c, n in zip(capacities[:3], counts, strict=True)
+        )
+        best[overlay] = min(size, best.get(overlay, size))
+    plain, overlaid = best.get(False), best.get(True)
+    if overlaid is not None and (
+        plain is None or overlaid <= (1 - zlower.OVERLAY_MIN_SAVING) * plain
+    ):
+        return overlaid
+    return plain if plain is not None else 0
 
 
 def stage_sizes(model: Model, num_stages: int) -> str:
@@ -232,16 +270,16 @@ def table(rows: Sequence[Row]) -> str:
     """Returns the markdown table (kB per device)."""
     lines = [
         "| schedule | m | staged params (kB) | arguments (kB) | temp (kB) | predicted peak "
-        "(M_B) | predicted activations (kB) | ring buffers (kB, residual + kept + stash slots) "
-        "| temp − ring (kB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(M_B) | predicted activations (kB) | arenas (kB; in flight F→B + F→W + B→W) "
+        "| as equal slots (kB) | temp − arenas (kB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.name} | {r.m} | {r.param_bytes / 1e3:.0f} | {r.argument_bytes / 1e3:.0f} | "
             f"{r.temp_bytes / 1e3:.0f} | {r.peak_units:.3g} | {r.predicted_bytes / 1e3:.0f} | "
             f"{r.ring_bytes / 1e3:.0f} ({r.ring_slots} + {r.kept_slots} + {r.stash_slots}) | "
-            f"{(r.temp_bytes - r.ring_bytes) / 1e3:.0f} |"
+            f"{r.slot_bytes / 1e3:.0f} | {(r.temp_bytes - r.ring_bytes) / 1e3:.0f} |"
         )
     return "\n".join(lines)
 
@@ -258,8 +296,7 @@ def growth(rows: Sequence[Row]) -> str:
         parts.append(
             f"{name} {(last.temp_bytes - first.temp_bytes) / 1e6:+.1f} MB temp "
             f"(predicted {(last.predicted_bytes - first.predicted_bytes) / 1e6:+.1f} MB, "
-            f"slots {first.ring_slots} + {first.kept_slots} + {first.stash_slots} → "
-            f"{last.ring_slots} + {last.kept_slots} + {last.stash_slots})"
+            f"arenas {first.ring_bytes / 1e6:.1f} → {last.ring_bytes / 1e6:.1f} MB)"
         )
     return "; ".join(parts)
 
@@ -360,18 +397,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         "Columns: *staged params* = this device's row of the staged parameter layout; "
         "*arguments* = `argument_size_in_bytes` (staged params plus the whole batch, which "
-        "every device receives); *temp* = `temp_size_in_bytes` (ring buffers, messages, "
+        "every device receives); *temp* = `temp_size_in_bytes` (arenas, messages, "
         "gradient accumulators, the stage programs' scratch); *predicted peak* = "
         "`max(simulate(schedule).peak_memory)` in M_B (F adds 1, B frees 1 − w_mem, W frees "
         "w_mem = 0.5); *predicted activations* = that times the device's stage "
-        "`activation_bytes`; *ring buffers* = residual, kept and stash slots × their bytes "
-        "(`Lowering.slot_pool_bytes`): a residual slot holds what F stores for B alone (the "
-        "largest stage's), from F until B; a kept slot what F stores that W reads too (the "
-        "inputs of the weight matmuls), from F until W; a stash slot what B computes for W, "
-        "from B until W; slots are counted in lockstep. Where that holds fewer bytes, a stage "
-        "keeps its whole residual slot until W instead of using a kept slot, and B writes W's "
-        "stash over the residuals only B read, at the end of its residual slot (which then "
-        "lives until W), instead of into a stash slot.",
+        "`activation_bytes`; *arenas* = the buffers the lowering keeps data in between "
+        "actions (`Lowering.slot_pool_bytes`, `zbjax.ticks.arenas`): each (stage, microbatch) "
+        "stores what F stores for B alone from F until B, what F stores that W reads too (the "
+        "inputs of the weight matmuls) from F until W, and what B computes for W from B until "
+        "W, each at its own stage's size and packed with the items alive at the same time "
+        "(first fit over the lockstep ticks), in one buffer shared by the three or one each, "
+        "whichever holds fewer bytes (shared only where that saves at least 10 %, since B then "
+        "writes where it reads); in brackets the most items of each kind any device holds at "
+        "once. Where that holds fewer bytes, a stage keeps its whole residuals until W instead "
+        "of keeping W's apart, and B writes W's stash over the residuals only B read. *As equal "
+        "slots* is what the lowering held before its arenas: pools of equal slots, per kind as "
+        "many as the busiest device holds at once and each as large as the largest stage's "
+        "item, laid out as it chose then (`equal_slot_bytes`; the same items, the slots' "
+        "layout).",
         "",
         table(rows),
         "",
@@ -383,12 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         mask_sizes(model),
         "",
-        "The ring buffers can hold more than the predicted peak in M_B for three reasons: "
-        "pools are sized by the largest stage and the busiest device, what W keeps is not "
-        "exactly the simulator's w_mem = 0.5 M_B, and the lockstep tick loop can keep more "
-        "microbatches in flight than the event-driven simulation. *temp − ring* is what the "
-        "compiled program holds besides the slots (messages, gradient accumulators, batch "
-        "slices, scratch).",
+        "The arenas can hold more than the predicted peak in M_B for three reasons: every "
+        "device's arena is as large as the busiest device's, what W keeps is not exactly the "
+        "simulator's w_mem = 0.5 M_B, and the lockstep tick loop can keep more microbatches in "
+        "flight than the event-driven simulation. *temp − arenas* is what the compiled program "
+        "holds besides them (messages, gradient accumulators, batch slices, scratch).",
         "",
     ]
     if errors:

@@ -261,6 +261,17 @@ def test_scan_gpt_params_per_device_shrink_with_more_stages():
     assert held[4] < 0.75 * held[2], held
 
 
+def test_memory_rows_set_the_arenas_beside_the_equal_slots_they_replaced():
+    # zb-h2 defers W: the last stage holds many kept items and stashes, the first stage few
+    # but larger ones; equal slots take the largest item times the most in flight per kind.
+    mesh = jax.make_mesh((4,), (memory.AXIS,), devices=jax.devices()[:4])
+    row = memory.measure("zb-h2", 16, memory.SMOKE_MODEL, mesh)
+    assert 0 < row.ring_bytes < row.slot_bytes
+    assert row.temp_bytes >= row.ring_bytes
+    line = memory.table([row]).splitlines()[-1]
+    assert line.count("|") == 11 and f"| {row.slot_bytes / 1e3:.0f} |" in line
+
+
 def test_memory_sentences_on_what_the_backward_computes_again_measure_a_saving():
     casts, masks = (
         f(memory.SMOKE_MODEL) for f in (memory.mixed_precision_sizes, memory.mask_sizes)
