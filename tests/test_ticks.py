@@ -801,6 +801,9 @@ def test_packed_intervals_never_share_memory_while_both_live():
         assert all(where[j] % 4 == 0 for j in where)
         assert total == max((o + n for _, _, o, n in placed), default=0)
         assert total >= _most_alive(intervals, padded.__getitem__)
+        # Never more than slots of the largest size, as many as are alive at once.
+        counted = _most_alive(intervals, lambda j, padded=padded: 1 if padded[j] else 0)
+        assert total <= counted * max(padded.values())
 
 
 def test_packed_intervals_of_one_size_take_the_most_alive_at_once():

@@ -838,7 +838,7 @@ def _lifetimes(
 ) -> tuple[list[list], list[list], list[list]]:
     """Returns per device the half-open intervals ``(start, end, (stage, microbatch))`` of the
     residual, kept and stash data of every (stage, microbatch) run there, on the clock of
-    ``tick_of`` (each action's tick times ``len(PHASES)`` plus its phase).
+    ``tick_of`` (times in the order the device runs its actions).
 
     Residuals live from F until B or BW (until W where ``residuals_until_weight``), kept
     residuals from F until W or BW (stages with ``kept``), the stash from B until W."""
@@ -877,9 +877,10 @@ def pack_intervals(
     multiple of ``bank`` (if given).
 
     First fit (the lowest offset that is free over the interval's whole life), tried in order
-    of start and, where sizes differ, in order of decreasing size; the smaller buffer wins. In
-    start order, equal sizes are placed as ``_colour_intervals`` places slots (optimal for
-    intervals), so this never needs more than slots of the largest size would hold."""
+    of start and, where sizes differ, in order of decreasing size, beside slots of the largest
+    size (``_colour_intervals``); the smallest buffer wins, so this never needs more than such
+    slots would hold. In start order, equal sizes are placed as slots are (optimal for
+    intervals)."""
     items = [
         (start, end, owner, -(-int(size_of(owner)) // align) * align)
         for start, end, owner in intervals
@@ -920,7 +921,14 @@ def pack_intervals(
             where.update({x[2]: int(o) for x, o in zip(order, lows, strict=True)})
             best = (where, total)
         if total <= least and bank is None:
-            break
+            return best
+    if items and bank is None:
+        largest = max(size for *_, size in items)
+        slot_of, num_slots = _colour_intervals([item[:3] for item in items])
+        if num_slots * largest < best[1]:
+            where = {owner: 0 for _, _, owner in intervals}
+            where.update({owner: slot * largest for owner, slot in slot_of.items()})
+            best = (where, num_slots * largest)
     return best
 
 
@@ -951,7 +959,7 @@ class Arenas:
     #: ``banks[b][k]``: buffer ``b``'s dtype-``k`` elements are ``banks[b][k]`` rows of
     #: ``sizes[b][k] // banks[b][k]`` (1 unless it would hold more than ``ARENA_BANK``
     #: elements, which int32 indices cannot address); no item crosses a row.
-    banks: tuple[tuple[int, ...], ...] = ()
+    banks: tuple[tuple[int, ...], ...]
 
     @property
     def shared(self) -> bool:
@@ -960,7 +968,7 @@ class Arenas:
 
     def shape(self, buffer: int, k: int) -> tuple[int, int]:
         """Returns (rows, elements per row) of buffer ``buffer``'s dtype-``k`` arena."""
-        rows = self.banks[buffer][k] if self.banks else 1
+        rows = self.banks[buffer][k]
         return rows, self.sizes[buffer][k] // rows
 
     def row_offsets(self) -> tuple[np.ndarray, np.ndarray]:
