@@ -1,7 +1,7 @@
-"""What does a user's jitted train step pay for its slot pools, and what do donated buffers save?
+"""What does a user's jitted train step pay for its arenas, and what do donated buffers save?
 
 The README's train step puts ``pipe.value_and_grad`` and the optimizer's update under one
-``jax.jit``. There the pipeline cannot keep its residual and stash slot pools between calls
+``jax.jit``. There the pipeline cannot keep its residual and stash arenas between calls
 (``keep_buffers`` applies to calls outside a ``jit``), so every step allocates and, on XLA:CPU,
 zeroes them. ``pipe.init_buffers`` makes the pools once and ``value_and_grad(...,
 buffers=)`` runs the step in them; the user's ``jit`` donates them and returns them. Three
@@ -223,14 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"alternating round by round ({args.rounds} rounds after warm-up; step is the "
             "median, the ratio the median over rounds of the ratio within a round): "
             f"*{ALLOCATED}* is `jax.jit` of the whole step, in which the pipeline allocates its "
-            "residual and stash slot pools and XLA:CPU zeroes them; "
+            "residual and stash arenas and XLA:CPU zeroes them; "
             f"*{DONATED}* passes `pipe.init_buffers(...)` as `value_and_grad(..., buffers=)` "
             "and donates them (`donate_argnums`), as the README's train step does; "
             f"*{EAGER}* calls `pipe.value_and_grad` outside any `jit`, where the pipeline "
             "keeps its pools between calls itself (`keep_buffers`). All three give the same "
             "loss. Compiled memory per device from `memory_analysis()`: *temp* is what the "
             "program allocates, *donated* the bytes of outputs written into donated inputs.",
-            f"Slot pools per device: {pools}.",
+            f"Arenas per device: {pools}.",
             "",
             table(rows),
             "",

@@ -568,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds; *BW / as traced* is the median over rounds of the ratio. "
             f"Each timed call runs its program {LOOP_RUNS} times in a loop that writes each "
             f"run's outputs into a slot of pools of {LOOP_SLOTS} slots kept between calls, as "
-            "the pipeline's tick loop writes its slot pools (`zbjax.profile.looped`): XLA "
+            "the pipeline's tick loop writes its arenas (`zbjax.profile.looped`): XLA "
             "computes an output into a buffer of its own and copies it into the slot, which "
             "costs the split (more outputs: B's stash) more than the fused backward; times "
             "are per run (timed one run per call, every run would write freshly allocated "

@@ -36,9 +36,9 @@ COMMAND = "python benchmarks/multiprocess.py"
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h2")
 #: The same schedules as built, one action per device per tick, in the same rounds.
 UNPACKED = ("1f1b, pack_ticks=False", "zb-h2, pack_ticks=False")
-#: zb-h2 with W's stash in stash slots of its own instead of over B's residuals (the lowering's
-#: overlay, ``zbjax.lower.OVERLAY_MIN_SAVING``, turned off): what the overlay's memory costs in
-#: time.
+#: zb-h2 with W's stash in an arena of its own instead of where B reads its residuals (over
+#: them, or in one arena shared by every kind: ``zbjax.lower.OVERLAY_MIN_SAVING`` turned off):
+#: what that memory saving costs in time.
 STASH_SLOTS = "zb-h2, stash slots"
 #: zb-h2 given the costs without the fused backward's, so that no stage with a B to compute
 #: runs fused (``step_time.SPLIT``).
@@ -303,9 +303,10 @@ def section(result: dict, rounds: int, microbatches: Sequence[int], took: float)
         "W cost more than its fused BW by more than deferring W saves; *stages run fused* "
         "lists them); "
         f"*{UNPACKED[0]}* and *{UNPACKED[1]}* run "
-        f"one action per device per tick, as built; *{STASH_SLOTS}* keeps W's stash in stash "
-        "slots of its own instead of writing it over the residuals only B read (the lowering's "
-        "overlay, taken where it holds at least 10 % fewer slot bytes); "
+        f"one action per device per tick, as built; *{STASH_SLOTS}* keeps W's stash in an "
+        "arena of its own instead of writing it into the one B reads its residuals from (over "
+        "the residuals only B read, or in one arena shared by every kind, which the lowering "
+        "takes where that holds at least 10 % fewer bytes); "
         f"*{SPLIT}* gets the costs without the fused backward's (BW costing B + W), so the "
         "planner keeps every stage with a B to compute split (predicted: ticks planned by "
         "those costs, timed by the measured ones). *In-step costs*: each action's time inside "

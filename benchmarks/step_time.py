@@ -497,7 +497,7 @@ def measure_m(
         name: pipeline_step(loss_fn, schedule, mesh, params, batch, costs=costs)
         for name, (schedule, costs, loss_fn) in built.items()
     }
-    # The same schedule allocating its slot pools in every step (keep_buffers=False), and
+    # The same schedule allocating its arenas in every step (keep_buffers=False), and
     # running one action per device per tick (pack_ticks=False).
     schedule, costs, loss_fn = built[TARGET]
     variants[FRESH] = pipeline_step(
@@ -733,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Predictions simulate the very "
             "schedule that ran with per-stage costs measured in this process (F, B, W each "
             "jitted alone, several runs per timed call in a loop writing each run's outputs "
-            "into a slot of pools kept between calls, as the tick loop writes its slot pools, "
+            "into a slot of pools kept between calls, as the tick loop writes its arenas, "
             "`zbjax.profile.looped`; the fused backward BW timed the same way, `Costs.bw`): "
             "*makespan* is `simulate(...).makespan`, what one "
             "isolated step takes and therefore what the target uses; *span* is the throughput "
@@ -757,7 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "its slowest action at this model size; *same, devices time-sharing* subtracts "
             "all the step's work instead (every action's cost summed), the right baseline "
             "when the parallelism check reads about 2.",
-            f"*{FRESH}* is {TARGET} with its slot pools allocated in every step instead of "
+            f"*{FRESH}* is {TARGET} with its arenas allocated in every step instead of "
             f"kept between calls (the CPU default); *{UNPACKED}* is {TARGET} as built, one "
             "action per device per tick (nothing packed, no backward fused); "
             f"*{SPLIT}* is {TARGET} given the measured costs without the fused backward's "

@@ -4,7 +4,7 @@ The reference GPT pipelined (zb-h1, 2 pp devices, m = 4) over the 8 fake CPU dev
 other factor of 4 spent on data parallelism (pp 2 x dp 4), on both (pp 2 x dp 2 x tp 2) or on
 tensor parallelism (pp 2 x tp 4, ``zbjax.pipeline(param_specs=gpt.tensor_parallel_specs(...))``,
 Megatron-style). Per device, from the compiled step's ``memory_analysis()``: the staged param
-bytes and the temp bytes (slot pools, activations); from its HLO, the collectives; the
+bytes and the temp bytes (arenas, activations); from its HLO, the collectives; the
 compile time, the step time (median over alternating rounds, ratio to pp x dp in the same
 round) and the largest gradient difference from ``jax.value_and_grad`` of the unpipelined
 loss. Writes the section "tensor_parallel" of ``benchmarks/RESULTS.md``.
@@ -175,7 +175,7 @@ def section(rows: Sequence[Row], rounds: int, load: tuple[str, str], seconds: fl
         f"Load before / after: {load[0]} / {load[1]}; {seconds:.0f} s in all.",
         "",
         "Each device holds its part of each split param and of each activation a stage "
-        "computes split (the slot pools keep parts, `tensor.value_splits`); activations "
+        "computes split (the arenas keep parts, `tensor.value_splits`); activations "
         "computed whole (LayerNorm, the residual stream) are held whole on each tp "
         "device, over more rows per device as dp shrinks. "
         "The collectives run on fake CPU devices sharing the cores, which is what the step "
