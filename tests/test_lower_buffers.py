@@ -306,6 +306,12 @@ def test_an_arena_past_what_int32_indices_address_is_cut_into_rows(monkeypatch):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, want_grads
     )
+    # One microbatch's data of a stage larger than a row: no layout fits, and the error says
+    # what to change.
+    monkeypatch.setattr(zbjax.ticks, "ARENA_BANK", 100)
+    small = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=6)
+    with pytest.raises(zbjax.ScheduleError, match="more than int32 indices address"):
+        small.stage(params, batch)
 
 
 def _mlp_on_two_devices():

@@ -25,11 +25,12 @@ every tick; a two-way cond per action whose branches read one buffer and write a
 for a B that writes where it reads, read it in a nested conditional before writing it) keeps
 every buffer in place, so a tick costs what its action reads and writes.
 
-The residual, kept and stash data live in *arenas* (``zbjax.ticks.arenas``): one flat vector
-per group and dtype on every device, where each (stage, microbatch) takes its own stage's size
-for as long as it lives, beside the others alive at the same time; ``Packing`` and
-``SlotLayout`` say where each value sits in its item. The shard_map is manual over every mesh
-axis; the axes other than the pipeline axis are data parallel (rows split, gradients averaged).
+The residual, kept and stash data live in *arenas* (``zbjax.ticks.arenas``): flat buffers per
+dtype on every device, one shared by the three kinds or one per kind, where each (stage,
+microbatch) takes its own stage's size for as long as it lives, beside the others alive at the
+same time; ``Packing`` and ``SlotLayout`` say where each value sits in its item. The
+shard_map is manual over every mesh axis; the axes other than the pipeline axis are data
+parallel (rows split, gradients averaged).
 """
 
 from __future__ import annotations
@@ -335,6 +336,8 @@ class Lowering:
     axis_name: str
     slot_dtypes: tuple[str, ...]
     slot_layouts: tuple[SlotLayout, ...]
+    #: Per dtype, the largest stage's residual, kept and stash item: what one slot of each
+    #: kind would hold (``slot_bytes``; the arenas give each item its own stage's size).
     residual_capacity: tuple[int, ...]
     kept_capacity: tuple[int, ...]
     stash_capacity: tuple[int, ...]
@@ -623,7 +626,7 @@ def _slots_and_tables(
     it holds at least ``OVERLAY_MIN_SAVING`` fewer bytes than the best where it does not.
     """
     best: dict[bool, tuple] = {}
-    packed: dict[tuple, Arenas] = {}
+    packed: dict[tuple, Arenas | ScheduleError] = {}
     separate_w = any(a.kind == "W" for _, _, a in schedule.all_actions())
     for whole, overlay in SLOT_CANDIDATES:
         if overlay and not separate_w:
@@ -656,21 +659,28 @@ def _slots_and_tables(
             # Layouts that differ only where no item does pack alike: pack them once.
             signature = (tuple(kept), tuple(until_weight), items, shared)
             if signature not in packed:
-                packed[signature] = arenas(
-                    tables,
-                    size_of,
-                    len(dtypes),
-                    kept,
-                    until_weight,
-                    [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes],
-                    shared=shared,
-                )
+                try:
+                    packed[signature] = arenas(
+                        tables,
+                        size_of,
+                        len(dtypes),
+                        kept,
+                        until_weight,
+                        [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes],
+                        shared=shared,
+                    )
+                except ScheduleError as error:  # an item too large for a row: not this one
+                    packed[signature] = error
             arena = packed[signature]
+            if isinstance(arena, ScheduleError):
+                continue
             size = sum(_slot_bytes(dtypes, n) for n in arena.sizes)
             # Overlaid or shared, B writes into the buffer it reads.
             key = overlay or shared
             if key not in best or size < best[key][0]:
                 best[key] = (size, layouts, tables, capacities, arena)
+    if not best:
+        raise next(e for e in packed.values() if isinstance(e, ScheduleError))
     plain, rewritten = best.get(False), best.get(True)
     if rewritten and (plain is None or rewritten[0] <= (1 - OVERLAY_MIN_SAVING) * plain[0]):
         return rewritten[1:]
