@@ -644,7 +644,6 @@ def _slots_and_tables(
             residuals_until_weight=until_weight,
             positions=positions,
         )
-        capacities = _capacities(layouts, tables)
         size_of = functools.partial(_item_size, layouts)
         items = tuple(
             size_of(group, s, k, split)
@@ -678,13 +677,15 @@ def _slots_and_tables(
             # Overlaid or shared, B writes into the buffer it reads.
             key = overlay or shared
             if key not in best or size < best[key][0]:
-                best[key] = (size, layouts, tables, capacities, arena)
+                best[key] = (size, layouts, tables, arena)
     if not best:
         raise next(e for e in packed.values() if isinstance(e, ScheduleError))
     plain, rewritten = best.get(False), best.get(True)
     if rewritten and (plain is None or rewritten[0] <= (1 - OVERLAY_MIN_SAVING) * plain[0]):
-        return rewritten[1:]
-    return plain[1:]
+        plain = rewritten
+    _, layouts, tables, arena = plain
+    # The slot sizes describe the layout taken (``Lowering.slot_bytes``); only it needs them.
+    return layouts, tables, _capacities(layouts, tables), arena
 
 
 def residual_sources(program: StageProgram) -> tuple[tuple[str, int], ...]:
