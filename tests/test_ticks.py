@@ -16,7 +16,6 @@ from zbjax.ticks import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
-    FORWARD,
     IDLE,
     KIND_NAMES,
     PACKINGS,
@@ -48,21 +47,16 @@ def build(name: str, num_devices: int, num_microbatches: int) -> Schedule:
     return schedules.build(name, stages, num_microbatches, num_devices=num_devices)
 
 
-def replay(tables, schedule: Schedule, kept: bool = True, until_weight: bool = False) -> None:
-    """Replays the tables' reads and writes and asserts every read finds the right data.
+def replay(tables, schedule: Schedule) -> None:
+    """Replays the tables' messages and asserts every read finds the right one.
 
-    Residual slots hold ("res", stage, mb) after F, kept slots ("kept", stage, mb) after F,
-    stash slots ("stash", stage, mb) after B; message slots hold (edge, mb, direction). A read
-    that finds anything else means two live items shared a slot or a message went to the wrong
-    place. A tick's actions run by PHASES on the device's buffers; messages arrive after all.
-    ``kept``: every stage has kept slots (else every kept index is the spare one);
-    ``until_weight``: W reads the residual slot too (else its residual read is the spare).
+    Message slots hold (edge, mb, direction); a read that finds anything else means two live
+    messages shared a slot or a message went to the wrong place. A tick's actions run by
+    PHASES; messages arrive after all. (Where residuals and stashes lie, the arenas, is
+    replayed by ``test_arena_items_alive_at_once_on_a_device_never_overlap``.)
     """
     kinds = schedules.backward_kinds(schedule)
     d_count = tables.num_devices
-    residual = [dict() for _ in range(d_count)]
-    kept_slots = [dict() for _ in range(d_count)]
-    stash = [dict() for _ in range(d_count)]
     inbox = [dict() for _ in range(d_count)]
     for t in range(tables.num_ticks):
         arrivals = []
@@ -82,49 +76,20 @@ def replay(tables, schedule: Schedule, kept: bool = True, until_weight: bool = F
                 kind = int(tables.kind[at])
                 s, i = int(tables.stage[at]), int(tables.microbatch[at])
                 if kind == IDLE:
-                    assert tables.residual_write[at] == tables.num_residual_slots
-                    assert tables.kept_write[at] == tables.num_kept_slots
-                    assert tables.stash_write[at] == tables.num_stash_slots
+                    assert not tables.send_position[at].any()
                     continue
-                backward = kind in (BACKWARD_INPUT, BACKWARD)
-                if kind != BACKWARD_WEIGHT:
-                    for j, e in enumerate(incoming_messages(tables.edges, s, backward)):
-                        slot = int(tables.message_read[at + (j,)])
-                        assert inbox[d].get(slot) == (e, i, backward), (t, d, lane, s, i, j)
-                if kind in (BACKWARD_INPUT, BACKWARD):
-                    assert residual[d].get(int(tables.residual_read[at])) == ("res", s, i)
                 if kind == BACKWARD_WEIGHT:
                     assert kinds[(s, i)] == "B", "a W whose stage runs a fused BW"
-                    assert stash[d].get(int(tables.stash_read[at])) == ("stash", s, i)
-                    if until_weight:
-                        assert residual[d].get(int(tables.residual_read[at])) == ("res", s, i)
-                    else:
-                        assert tables.residual_read[at] == tables.num_residual_slots
-                if kind != FORWARD:
-                    if kept:
-                        assert kept_slots[d].get(int(tables.kept_read[at])) == ("kept", s, i)
-                    else:
-                        assert tables.kept_read[at] == tables.num_kept_slots
-                if kind == FORWARD:
-                    slot = int(tables.residual_write[at])
-                    assert slot < tables.num_residual_slots
-                    residual[d][slot] = ("res", s, i)
-                    if kept:
-                        slot = int(tables.kept_write[at])
-                        assert slot < tables.num_kept_slots
-                        kept_slots[d][slot] = ("kept", s, i)
-                    else:
-                        assert tables.kept_write[at] == tables.num_kept_slots
-                if kind == BACKWARD_INPUT:
-                    slot = int(tables.stash_write[at])
-                    assert slot < tables.num_stash_slots
-                    stash[d][slot] = ("stash", s, i)
-                if kind != BACKWARD_WEIGHT:
-                    for j, (shift, _, e) in enumerate(
-                        outgoing_messages(tables.edges, tables.placement, d_count, s, backward)
-                    ):
-                        position = int(tables.send_position[at + (j,)])
-                        arrivals.append(((d + shift) % d_count, shift, position, (e, i, backward)))
+                    continue
+                backward = kind in (BACKWARD_INPUT, BACKWARD)
+                for j, e in enumerate(incoming_messages(tables.edges, s, backward)):
+                    slot = int(tables.message_read[at + (j,)])
+                    assert inbox[d].get(slot) == (e, i, backward), (t, d, lane, s, i, j)
+                for j, (shift, _, e) in enumerate(
+                    outgoing_messages(tables.edges, tables.placement, d_count, s, backward)
+                ):
+                    position = int(tables.send_position[at + (j,)])
+                    arrivals.append(((d + shift) % d_count, shift, position, (e, i, backward)))
         sent = [(dst, shift, position) for dst, shift, position, _ in arrivals]
         assert len(set(sent)) == len(sent), "two messages share a payload position in a tick"
         for dst, shift, position, message in arrivals:
@@ -147,9 +112,6 @@ def test_every_read_finds_its_data_when_the_tables_are_replayed(name):
     for devices, micro in ((2, 2), (4, 8)):
         schedule = build(name, devices, micro)
         replay(tick_tables(schedule), schedule)
-        n = schedule.num_stages
-        whole = tick_tables(schedule, kept=[False] * n, residuals_until_weight=[True] * n)
-        replay(whole, schedule, kept=False, until_weight=True)
 
 
 def test_residual_slots_free_at_b_and_kept_slots_at_w():
@@ -279,13 +241,14 @@ def test_packed_tables_replay_and_decode_to_the_schedule(name):
             tables = tick_tables(schedule, positions=positions)
             assert decode_actions(tables) == schedule.actions
             replay(tables, schedule)
+            replay_arenas(schedule, tables, [True] * n, [False] * n)
             whole = tick_tables(
                 schedule,
                 kept=[False] * n,
                 residuals_until_weight=[True] * n,
                 positions=positions,
             )
-            replay(whole, schedule, kept=False, until_weight=True)
+            replay_arenas(schedule, whole, [False] * n, [True] * n)
             for action, (_, lane) in positions.items():
                 if lane:
                     packed[action.kind] = packed.get(action.kind, 0) + 1
@@ -835,22 +798,19 @@ def _arena_sizes(name, p, m, big_first=10, big_last=(4, 5)):
 ITEM_WRITTEN_BY = {"residual": "F", "kept": "F", "stash": "B"}
 
 
-@pytest.mark.parametrize("limit", [None, 24])
-@pytest.mark.parametrize("name, m", [("zb-h2", 16), ("zb-h1", 8), ("zb-v", 8), ("1f1b", 8)])
-def test_arena_items_alive_at_once_on_a_device_never_overlap(name, m, limit):
-    # With a limit on a row's elements (int32 indices address 2**31), the arena is rows of
-    # equal length and no item crosses from one row into the next.
-    schedule = build(name, 4, m)
+def replay_arenas(schedule, tables, kept, until_weight, limit=None) -> None:
+    """Places ``tables``'s items in arenas (separate and shared, ``limit`` elements a row at
+    most) and asserts every action finds its item where it was written and no two items a
+    device holds at once overlap. ``kept[s]``, ``until_weight[s]``: stage ``s`` keeps
+    residuals for W, its W reads its residuals (as ``tick_tables`` was built)."""
     n = schedule.num_stages
-    until_weight = [True] + [False] * (n - 1)  # stage 0's W reads its residuals
-    tables = tick_tables(schedule, residuals_until_weight=until_weight)
-    size_of = _arena_sizes(name, n, m)
+    size_of = _arena_sizes(schedule.name, n, schedule.num_microbatches)
+    scheduled = {a for *_, a in schedule.all_actions()}
     for shared in (False, True):
         arena = arenas(
-            tables, size_of, 1, [True] * n, until_weight, align=[2], shared=shared, limit=limit
+            tables, size_of, 1, kept, until_weight, align=[2], shared=shared, limit=limit
         )
         assert arena.shared == shared and len(arena.sizes) == (1 if shared else 3)
-        scheduled = {a for *_, a in schedule.all_actions()}
         # Each item: (device, buffer) -> its offset, size and the times of the actions that
         # touch it (tick, phase, lane); it lives from its write to its last read.
         touched: dict = {}
@@ -863,9 +823,11 @@ def test_arena_items_alive_at_once_on_a_device_never_overlap(name, m, limit):
             for g, group in enumerate(ARENA_GROUPS):
                 size = -(-size_of(group, s, 0, split) // 2) * 2
                 reads = kind != ITEM_WRITTEN_BY[group]
-                if not size or (group == "residual" and kind == "W" and not until_weight[s]):
+                if group == "residual" and kind == "W" and not until_weight[s]:
                     continue
-                if group == "stash" and kind in ("F", "BW"):
+                if group == "stash" and (kind in ("F", "BW") or not split):
+                    continue
+                if group == "kept" and not kept[s]:
                     continue
                 key = (d, arena.group_buffer[g], group, s, i)
                 offset = int(arena.offsets[t, d, lane, g, 0])
@@ -874,10 +836,13 @@ def test_arena_items_alive_at_once_on_a_device_never_overlap(name, m, limit):
                 item[2].append(((t, PHASES[kind], lane), reads))
         lives = {}
         for key, (offset, size, times) in touched.items():
+            assert sum(not reads for _, reads in times) == 1  # one write, then reads
             start = min(time for time, reads in times if not reads)
             end = max(time for time, _ in times)
             assert end > start
             lives[key] = (start, end, offset, size)
+            if not size:
+                continue  # counted below, but takes no room
             assert offset + size <= arena.sizes[key[1]][0]
             rows, length = arena.shape(key[1], 0)
             assert rows * length == arena.sizes[key[1]][0]
@@ -889,7 +854,40 @@ def test_arena_items_alive_at_once_on_a_device_never_overlap(name, m, limit):
                 continue
             (s1, e1, o1, n1), (s2, e2, o2, n2) = lives[a], lives[b]
             in_time = s1 < e2 and s2 < e1
-            assert not (in_time and o1 < o2 + n2 and o2 < o1 + n1), (name, shared, a, b)
+            in_space = n1 and n2 and o1 < o2 + n2 and o2 < o1 + n1
+            assert not (in_time and in_space), (schedule.name, shared, a, b)
+        # The tables count the most items of a kind a device holds at once.
+        for g, count in enumerate(
+            (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
+        ):
+            alive = [
+                [live for key, live in lives.items() if key[0] == d and key[2] == ARENA_GROUPS[g]]
+                for d in range(tables.num_devices)
+            ]
+            most = max(_most_alive([(x[0], x[1], None) for x in al], lambda _: 1) for al in alive)
+            assert count == most, (ARENA_GROUPS[g], count, most)
+
+
+@pytest.mark.parametrize("limit", [None, 24])
+@pytest.mark.parametrize("name, m", [("zb-h2", 16), ("zb-h1", 8), ("zb-v", 8), ("1f1b", 8)])
+def test_arena_items_alive_at_once_on_a_device_never_overlap(name, m, limit):
+    # With a limit on a row's elements (int32 indices address 2**31), the arena is rows of
+    # equal length and no item crosses from one row into the next.
+    schedule = build(name, 4, m)
+    n = schedule.num_stages
+    until_weight = [True] + [False] * (n - 1)  # stage 0's W reads its residuals
+    tables = tick_tables(schedule, residuals_until_weight=until_weight)
+    replay_arenas(schedule, tables, [True] * n, until_weight, limit)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_arena_items_never_overlap_for_every_schedule_with_or_without_kept_residuals(name):
+    for devices, micro in ((2, 2), (4, 8)):
+        schedule = build(name, devices, micro)
+        n = schedule.num_stages
+        replay_arenas(schedule, tick_tables(schedule), [True] * n, [False] * n)
+        whole = tick_tables(schedule, kept=[False] * n, residuals_until_weight=[True] * n)
+        replay_arenas(schedule, whole, [False] * n, [True] * n)
 
 
 def test_one_shared_arena_holds_less_than_equal_slots_when_peaks_differ_by_device():

@@ -9,31 +9,29 @@ finishes early may run its next actions in *lanes* after the main one (``pack_ti
 arrived at an earlier tick, so the time the tick spends anyway goes to work. ``segment_ticks``
 may lay the ticks out the other way round: first where the devices meet (the exchanges), then
 each device's actions between them. This module turns a ``Schedule`` into
-integer tables indexed ``[tick, device, lane]`` and allocates the buffer slots the lowering
-reads and writes. Pure Python and NumPy, no JAX.
+integer tables indexed ``[tick, device, lane]``, routes the messages between devices through
+slots, and places the data that outlives a tick. Pure Python and NumPy, no JAX.
 
-Data that outlives a tick sits in slot pools per device, each sized by the schedule's peak
-number of items in flight (interval colouring), never by the number of microbatches:
+Data that outlives a tick has a life per (stage, microbatch), on the device that runs it:
 
-- **residual slots**: one per (stage, microbatch) from its F until its B (or BW), or until its
-  W when W reads some of them (``residuals_until_weight``). F writes the residuals, B (or
-  BW) reads them.
-- **kept slots**: one per (stage, microbatch) from its F until its W (or BW), for the stages
-  that have any (``kept``): F writes the residuals W reads too (the ``x`` of ``x @ A``), B
-  and W both read them there, so B copies nothing for W.
-- **stash slots**: one per (stage, microbatch) from its B until its W: B writes what W needs
-  that F did not store (the output cotangents of the weight matmuls), W reads it.
-- **message slots**: one per *message* from the tick it is sent until the tick it is read. A
-  message is one stage-graph edge's values for one microbatch (sent by F of the edge's source
-  to F of its destination) or their cotangents (sent by B/BW of the destination to B/BW of the
-  source). Same-device edges are messages with shift 0 (a local copy).
+- **residuals**: from its F until its B (or BW), or until its W when W reads some of them
+  (``residuals_until_weight``). F writes the residuals, B (or BW) reads them.
+- **kept residuals**: from its F until its W (or BW), for the stages that have any
+  (``kept``): F writes the residuals W reads too (the ``x`` of ``x @ A``), B and W both read
+  them there, so B copies nothing for W.
+- **stash**: from its B until its W: B writes what W needs that F did not store (the output
+  cotangents of the weight matmuls), W reads it.
 
-Tables name the index one past the last slot (a *spare*) where an action reads or writes
-nothing. The message pool allocates that spare: every tick stores whatever arrives.
+The lowering keeps these in *arenas* (``arenas``): flat buffers where each item takes its own
+stage's size, packed with the items alive at the same time (``pack_intervals``). The tables
+count the most items of each kind a device holds at once.
 
-The slot counts say how many items of each kind a device holds at once; the lowering keeps
-the residual, kept and stash items in *arenas* (``arenas``): flat buffers where each item
-takes its own stage's size, packed with the items alive at the same time (``pack_intervals``).
+Messages take **message slots**: one per *message* from the tick it is sent until the tick it
+is read. A message is one stage-graph edge's values for one microbatch (sent by F of the edge's
+source to F of its destination) or their cotangents (sent by B/BW of the destination to B/BW
+of the source). Same-device edges are messages with shift 0 (a local copy). Tables name the
+index one past the last message slot (a *spare*) where an action reads nothing or nothing
+arrives: every tick stores whatever arrives.
 """
 
 from __future__ import annotations
@@ -60,10 +58,10 @@ KIND_CODES: dict[str, int] = {
 KIND_NAMES: dict[int, str] = {code: name for name, code in KIND_CODES.items()}
 #: The order in which a device runs the actions of one tick, by kind (lanes in order within a
 #: kind): every F first, then B, W and BW. A tick's actions depend on each other only within a
-#: stage (F before its B or BW, B before its W), which this order keeps, and every slot pool
-#: is then written (F: residual and kept slots, B: stash slots) before it is read, so XLA
-#: updates the pools in place instead of copying one that a later lane would write after an
-#: earlier lane read it.
+#: stage (F before its B or BW, B before its W), which this order keeps, and every arena is
+#: then written (F: residuals and kept residuals, B: stash) before it is read, so XLA updates
+#: the arenas in place instead of copying one that a later lane would write after an earlier
+#: lane read it.
 PHASES: dict[str, int] = {"F": 0, "B": 1, "W": 2, "BW": 3}
 
 
@@ -83,11 +81,10 @@ class TickTables:
     Lane 0 of a tick is a device's main action, lanes 1.. the actions packed after it
     (``pack_ticks``); the device runs them by ``PHASES`` (every F, then B, W, BW; lanes in
     order within a kind). ``kind``/``stage``/``microbatch`` say which
-    action runs in a lane (kind ``IDLE`` = none). ``residual_read`` is the residual slot B/BW
-    (and W, where it reads residuals) read; ``residual_write`` the slot F writes its residuals
-    to; ``kept_read`` the kept slot B/W/BW read and ``kept_write`` the one F writes;
-    ``stash_write`` the stash slot B writes and ``stash_read`` the one W reads (the spare index
-    otherwise). ``message_read[t, d, lane, j]`` is the message slot holding the j-th input of
+    action runs in a lane (kind ``IDLE`` = none); where its data lies between actions is the
+    arenas' business (``arenas``), and ``num_residual_slots``, ``num_kept_slots`` and
+    ``num_stash_slots`` count the most (stage, microbatch) items of each kind a device holds at
+    once. ``message_read[t, d, lane, j]`` is the message slot holding the j-th input of
     the action: F's in-edges or B/BW's out-edge cotangents, in edge order (the spare slot past
     the last). ``send_position[t, d, lane, j]`` is where in its shift's payload the j-th message
     the lane's action sends (``outgoing_messages`` order) goes: the messages a device sends over
@@ -101,12 +98,6 @@ class TickTables:
     kind: np.ndarray
     stage: np.ndarray
     microbatch: np.ndarray
-    residual_read: np.ndarray
-    residual_write: np.ndarray
-    kept_read: np.ndarray
-    kept_write: np.ndarray
-    stash_read: np.ndarray
-    stash_write: np.ndarray
     message_read: np.ndarray
     message_write: np.ndarray
     send_position: np.ndarray
@@ -1137,13 +1128,13 @@ def tick_tables(
     residuals_until_weight: Sequence[bool] | None = None,
     positions: dict[Action, tuple[int, int]] | None = None,
 ) -> TickTables:
-    """Returns the lockstep tables and slot allocation that run ``schedule``.
+    """Returns the lockstep tables that run ``schedule``, message slots allocated.
 
     ``edges`` are the stage graph's edges (one message each per microbatch and direction);
     by default one edge per ``schedule.edges`` pair, every one carrying cotangents.
-    ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (in a kept slot that
-    lives until W); by default every stage does. ``residuals_until_weight[s]`` says whether
-    stage ``s``'s W reads its residual slot (which then lives until W, else until B); by
+    ``kept[s]`` says whether stage ``s`` stores residuals that W reads too (kept residuals,
+    which live until W); by default every stage does. ``residuals_until_weight[s]`` says
+    whether stage ``s``'s W reads its residuals (which then live until W, else until B); by
     default none does. ``positions`` gives every action's (tick, lane), actions packed after a
     tick's main one (``choose_ticks``, ``plan_ticks``); by default every tick runs one action
     per device (``pack_ticks`` without costs). Raises ``ScheduleError`` when ``positions``
@@ -1169,7 +1160,7 @@ def tick_tables(
     num_ticks = max((t for t, _ in positions.values()), default=-1) + 1
     num_lanes = max((lane for _, lane in positions.values()), default=0) + 1
     kinds = backward_kinds(schedule)
-    # Slots are coloured on a finer clock than ticks: within a tick a device runs its actions
+    # Lives are measured on a finer clock than ticks: within a tick a device runs its actions
     # phase by phase (``PHASES``), so time t * len(PHASES) + phase orders its writes and
     # reads. A message is stored after the tick's last phase.
     num_phases = len(PHASES)
@@ -1182,12 +1173,11 @@ def tick_tables(
     residual_intervals, kept_intervals, stash_intervals = _lifetimes(
         tick_of, placement, num_devices, kept, residuals_until_weight
     )
-    residual_slots = [_colour_intervals(iv) for iv in residual_intervals]
-    num_residual_slots = max((n for _, n in residual_slots), default=0)
-    kept_slots = [_colour_intervals(iv) for iv in kept_intervals]
-    num_kept_slots = max((n for _, n in kept_slots), default=0)
-    stash_slots = [_colour_intervals(iv) for iv in stash_intervals]
-    num_stash_slots = max((n for _, n in stash_slots), default=0)
+    # The most items of each kind a device holds at once (the arenas place them: ``arenas``).
+    num_residual_slots, num_kept_slots, num_stash_slots = (
+        max((_colour_intervals(iv)[1] for iv in per_device), default=0)
+        for per_device in (residual_intervals, kept_intervals, stash_intervals)
+    )
 
     # Messages live from the tick they are sent until the tick they are read, on the reader.
     # The messages a device sends over one shift in one tick take the payload's positions in
@@ -1240,12 +1230,6 @@ def tick_tables(
     kind = np.zeros(shape, np.int32)
     stage = np.zeros(shape, np.int32)
     microbatch = np.zeros(shape, np.int32)
-    residual_read = np.full(shape, num_residual_slots, np.int32)
-    residual_write = np.full(shape, num_residual_slots, np.int32)
-    kept_read = np.full(shape, num_kept_slots, np.int32)
-    kept_write = np.full(shape, num_kept_slots, np.int32)
-    stash_read = np.full(shape, num_stash_slots, np.int32)
-    stash_write = np.full(shape, num_stash_slots, np.int32)
     message_read = np.full(shape + (max_reads,), num_message_slots, np.int32)
     message_write = np.full(
         (num_ticks, num_devices, len(shifts), max_per_shift), num_message_slots, np.int32
@@ -1259,17 +1243,6 @@ def tick_tables(
         kind[at] = KIND_CODES[action.kind]
         stage[at] = s
         microbatch[at] = i
-        residual = residual_slots[placement[s]][0][(s, i)]
-        if action.kind == "F":
-            residual_write[at] = residual
-        elif action.kind != "W" or residuals_until_weight[s]:
-            residual_read[at] = residual
-        if kept[s]:
-            slot = kept_slots[placement[s]][0][(s, i)]
-            (kept_write if action.kind == "F" else kept_read)[at] = slot
-        if action.kind in ("B", "W"):
-            stash = stash_slots[placement[s]][0][(s, i)]
-            (stash_write if action.kind == "B" else stash_read)[at] = stash
         if action.kind != "W":
             backward = action.kind != "F"
             for j, e in enumerate(incoming_messages(edges, s, backward)):
@@ -1281,12 +1254,6 @@ def tick_tables(
         kind=kind,
         stage=stage,
         microbatch=microbatch,
-        residual_read=residual_read,
-        residual_write=residual_write,
-        kept_read=kept_read,
-        kept_write=kept_write,
-        stash_read=stash_read,
-        stash_write=stash_write,
         message_read=message_read,
         message_write=message_write,
         send_position=send_position,
