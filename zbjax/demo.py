@@ -440,7 +440,7 @@ def run_demo(
     tick = time.perf_counter()
     # Compiled ahead of time, so that the first step's time is a step's, not the compiler's;
     # the report reads its memory from this compile instead of compiling one of its own.
-    # The step runs in slot pools kept from step to step (donated to it), not in new ones.
+    # The step runs in arenas kept from step to step (donated to it), not in new ones.
     buffers = pipe.init_buffers(staged, batches(0))
     step_fn = pipe.lower(staged, batches(0), buffers=buffers).compile()
     phases.append(("compile", time.perf_counter() - tick))

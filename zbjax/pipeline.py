@@ -35,7 +35,7 @@ Choices a careful user would want to know:
   every element once, not with ``optax.clip_by_global_norm``, which would count such a leaf
   twice.
 - Params and batch are never donated: the step returns gradients and leaves params to the
-  caller's optimizer. Only the step's own slot pools are: between calls on CPU meshes
+  caller's optimizer. Only the step's own arenas are: between calls on CPU meshes
   (``keep_buffers``), and the ``Buffers`` passed as ``value_and_grad(..., buffers=)``, which
   a user's ``jax.jit`` should donate.
 """
@@ -214,7 +214,7 @@ class Pipeline:
         # By default ticks are packed only by costs the user measured: the static estimates can be
         # far off on small stages (2-core CPU demo GPT: 5.6% slower packed by them).
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
-        self._pools: dict[int, Buffers] = {}  # id(_Built) -> slot pools kept between calls
+        self._pools: dict[int, Buffers] = {}  # id(_Built) -> arenas kept between calls
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -382,7 +382,7 @@ class Pipeline:
         on the first device of the mesh on the first microbatch (its data-parallel shard), F,
         B and W alternating, ``repeats`` times after a warm-up, each time ``profile.LOOP_RUNS``
         runs in a loop writing each run's outputs into a slot of pools kept between calls, as
-        the tick loop writes its slot pools (``profile.looped``); the medians per run are
+        the tick loop writes its arenas (``profile.looped``); the medians per run are
         returned.
         ``comm``: also time one tick's ``ppermute`` of one and of two messages per shift over
         the pipeline axis, all devices at once (``profile.measure_exchange_costs``); a collective
