@@ -779,6 +779,25 @@ def test_packed_intervals_of_one_size_take_the_most_alive_at_once():
         assert total == _most_alive(intervals, lambda owner: 7)
 
 
+def test_first_fit_in_start_order_sweeps_to_the_same_offsets_as_checking_every_item():
+    # The start-order sweep keeps only the items alive at each start; placing against every
+    # item placed before (the general first fit) must give the same offsets, banks or not.
+    rng = np.random.default_rng(2)
+    for trial in range(200):
+        n = int(rng.integers(1, 40))
+        starts = rng.integers(0, 60, size=n)
+        order = sorted(
+            (int(s), int(s + rng.integers(1, 20)), j, int(rng.integers(1, 9)))
+            for j, s in enumerate(starts)
+        )
+        bank = None if trial % 2 else int(rng.integers(9, 30))
+        swept = ticks_module._first_fit_in_start_order(order, bank)
+        assert swept == ticks_module._first_fit(order, bank), trial
+        if bank is not None:
+            for offset, (*_, size) in zip(swept, order, strict=True):
+                assert offset // bank == (offset + size - 1) // bank
+
+
 def _arena_sizes(name, p, m, big_first=10, big_last=(4, 5)):
     """Returns size_of for ``arenas``: stage 0 stores ``big_first`` residual elements that its
     W reads too, the last stage ``big_last`` kept and stash elements, others 1 of each."""

@@ -36,6 +36,7 @@ arrives: every tick stores whatever arrives.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -877,6 +878,10 @@ def pack_intervals(
         for start, end, owner in intervals
     ]
     items = [item for item in items if item[3]]
+    if bank is not None and items and max(item[3] for item in items) > bank:
+        raise ValueError(
+            f"an item of {max(item[3] for item in items)} elements cannot fit a bank of {bank}"
+        )
     orders = [sorted(items, key=lambda x: (x[0], x[1]))]
     if len({item[3] for item in items}) > 1:
         orders.append(sorted(items, key=lambda x: (-x[3], x[0], x[1])))
@@ -886,30 +891,11 @@ def pack_intervals(
     least = int(alive.max(initial=0))
     best: tuple[dict, int] = ({owner: 0 for _, _, owner in intervals}, 0)
     for n, order in enumerate(orders):
-        starts = np.array([x[0] for x in order], np.int64)
-        ends = np.array([x[1] for x in order], np.int64)
-        lows = np.zeros(len(order), np.int64)
-        highs = np.zeros(len(order), np.int64)
-        for j, (start, end, _, size) in enumerate(order):
-            clash = np.flatnonzero((starts[:j] < end) & (start < ends[:j]))
-            clash = clash[np.argsort(lows[clash], kind="stable")]
-            if bank is not None and size > bank:
-                raise ValueError(f"an item of {size} elements cannot fit a bank of {bank}")
-            floor = 0
-            while True:
-                offset = floor
-                for c in clash:
-                    if offset + size <= lows[c]:
-                        break
-                    offset = max(offset, int(highs[c]))
-                if bank is None or offset // bank == (offset + size - 1) // bank:
-                    break
-                floor = (offset // bank + 1) * bank  # into the next bank
-            lows[j], highs[j] = offset, offset + size
-        total = int(highs.max(initial=0))
+        lows = _first_fit_in_start_order(order, bank) if n == 0 else _first_fit(order, bank)
+        total = max((low + item[3] for low, item in zip(lows, order, strict=True)), default=0)
         if n == 0 or total < best[1]:
             where = {owner: 0 for _, _, owner in intervals}
-            where.update({x[2]: int(o) for x, o in zip(order, lows, strict=True)})
+            where.update({x[2]: low for x, low in zip(order, lows, strict=True)})
             best = (where, total)
         if total <= least and bank is None:
             return best
@@ -921,6 +907,52 @@ def pack_intervals(
             where.update({owner: slot * largest for owner, slot in slot_of.items()})
             best = (where, num_slots * largest)
     return best
+
+
+def _lowest_gap(taken: Sequence[tuple[int, int]], size: int, bank: int | None) -> int:
+    """Returns the lowest offset at which ``size`` elements miss every ``(low, high)`` range of
+    ``taken`` (sorted by ``low``) and cross no multiple of ``bank`` (if given)."""
+    floor = 0
+    while True:
+        offset = floor
+        for low, high in taken:
+            if offset + size <= low:
+                break
+            if high > offset:
+                offset = high
+        if bank is None or offset // bank == (offset + size - 1) // bank:
+            return offset
+        floor = (offset // bank + 1) * bank  # into the next bank
+
+
+def _first_fit_in_start_order(order: Sequence[tuple], bank: int | None) -> list[int]:
+    """Returns first-fit offsets for items ``(start, end, owner, size)`` sorted by start: an
+    item can clash only with the placed ones still alive at its start, so the sweep keeps
+    just those, sorted by offset (at most as many as are alive at once)."""
+    lows = []
+    alive: list[tuple[int, int, int]] = []  # (low, high, end), sorted by low
+    for start, end, _, size in order:
+        alive = [taken for taken in alive if taken[2] > start]
+        low = _lowest_gap([taken[:2] for taken in alive], size, bank)
+        bisect.insort(alive, (low, low + size, end))
+        lows.append(low)
+    return lows
+
+
+def _first_fit(order: Sequence[tuple], bank: int | None) -> list[int]:
+    """Returns first-fit offsets for items ``(start, end, owner, size)`` placed in ``order``:
+    each at the lowest offset free over its whole life."""
+    starts = np.array([x[0] for x in order], np.int64)
+    ends = np.array([x[1] for x in order], np.int64)
+    lows = np.zeros(len(order), np.int64)
+    highs = np.zeros(len(order), np.int64)
+    for j, (start, end, _, size) in enumerate(order):
+        clash = np.flatnonzero((starts[:j] < end) & (start < ends[:j]))
+        clash = clash[np.argsort(lows[clash], kind="stable")]
+        taken = zip(lows[clash].tolist(), highs[clash].tolist(), strict=True)
+        lows[j] = _lowest_gap(list(taken), size, bank)
+        highs[j] = lows[j] + size
+    return lows.tolist()
 
 
 #: The groups of an arena's items: what F stores for B (until B, or W), what it stores that W
