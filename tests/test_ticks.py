@@ -128,6 +128,25 @@ def test_residual_slots_free_at_b_and_kept_slots_at_w():
     assert fused.num_kept_slots == fused.num_residual_slots
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_with_lives_counts_what_tables_built_with_those_lives_count(name):
+    # The lowering builds the tables once and weighs each layout's lives by with_lives.
+    schedule = build(name, 4, 8)
+    n = schedule.num_stages
+    plain = tick_tables(schedule)
+    for kept, until_weight in (
+        ([False] * n, [True] * n),
+        ([s % 2 == 0 for s in range(n)], [s % 3 == 0 for s in range(n)]),
+    ):
+        built = tick_tables(schedule, kept=kept, residuals_until_weight=until_weight)
+        counted = ticks_module.with_lives(plain, kept, until_weight)
+        for field in ("num_residual_slots", "num_kept_slots", "num_stash_slots"):
+            assert getattr(counted, field) == getattr(built, field), field
+        assert counted.action_times == built.action_times
+        assert (counted.kind == plain.kind).all() and counted.edges == plain.edges
+    assert tick_tables(schedule, kept=[False] * n).num_kept_slots == 0
+
+
 def test_lockstep_ticks_run_each_action_after_all_its_dependencies():
     schedule = build("zb-h1", 4, 8)
     ticks = lockstep_ticks(schedule)

@@ -85,6 +85,7 @@ from zbjax.ticks import (
     outgoing_messages,
     plan_ticks,
     tick_tables,
+    with_lives,
 )
 
 _KIND_SCOPE = {FORWARD: "F", BACKWARD_INPUT: "B", BACKWARD_WEIGHT: "W", BACKWARD: "BW"}
@@ -627,6 +628,7 @@ def _slots_and_tables(
     """
     best: dict[bool, tuple] = {}
     packed: dict[tuple, Arenas | ScheduleError] = {}
+    plain_tables: TickTables | None = None  # the layouts change nothing but the item counts
     separate_w = any(a.kind == "W" for _, _, a in schedule.all_actions())
     for whole, overlay in SLOT_CANDIDATES:
         if overlay and not separate_w:
@@ -637,13 +639,16 @@ def _slots_and_tables(
         )
         kept = [s.has_kept for s in layouts]
         until_weight = [s.weight_reads_residuals for s in layouts]
-        tables = tick_tables(
-            schedule,
-            message_edges(graph),
-            kept=kept,
-            residuals_until_weight=until_weight,
-            positions=positions,
-        )
+        lives = (tuple(kept), tuple(until_weight))
+        if plain_tables is None:
+            plain_tables = tick_tables(
+                schedule,
+                message_edges(graph),
+                kept=kept,
+                residuals_until_weight=until_weight,
+                positions=positions,
+            )
+        tables = with_lives(plain_tables, kept, until_weight)
         size_of = functools.partial(_item_size, layouts)
         items = tuple(
             size_of(group, s, k, split)
@@ -656,7 +661,7 @@ def _slots_and_tables(
             if shared and not separate_w:
                 continue  # B writes nothing: nothing to share with
             # Layouts that differ only where no item does pack alike: pack them once.
-            signature = (tuple(kept), tuple(until_weight), items, shared)
+            signature = (lives, items, shared)
             if signature not in packed:
                 try:
                     packed[signature] = arenas(

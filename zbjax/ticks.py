@@ -37,6 +37,8 @@ arrives: every tick stores whatever arrives.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -147,6 +149,40 @@ class TickTables:
     def num_packed(self) -> int:
         """Returns the number of actions that run after another in their tick (lanes 1..)."""
         return int((self.kind[:, :, 1:] != IDLE).sum())
+
+    @functools.cached_property
+    def action_times(self) -> dict[Action, int]:
+        """Returns every action's time on the clock its device runs them by: (tick, phase,
+        lane), as one integer (``PHASES``; lanes in order within a phase)."""
+        num_phases, num_lanes = len(PHASES), self.num_lanes
+        times = {}
+        for t, d, lane in zip(*np.nonzero(self.kind != IDLE), strict=True):
+            name = KIND_NAMES[int(self.kind[t, d, lane])]
+            action = Action(name, int(self.stage[t, d, lane]), int(self.microbatch[t, d, lane]))
+            times[action] = (int(t) * num_phases + PHASES[name]) * num_lanes + int(lane)
+        return times
+
+
+def with_lives(
+    tables: TickTables, kept: Sequence[bool], residuals_until_weight: Sequence[bool]
+) -> TickTables:
+    """Returns ``tables`` with the item counts (``num_residual_slots`` ...) of the lives that
+    ``kept`` and ``residuals_until_weight`` give (as ``tick_tables`` takes them); nothing else in
+    the tables depends on them."""
+    lives = _lifetimes(
+        tables.action_times, tables.placement, tables.num_devices, kept, residuals_until_weight
+    )
+    # Within a kind, items start only at their writer's phase and end at a later one, so the
+    # most alive at once on this clock is the most alive on any clock that keeps the phases.
+    residual, kept_count, stash = (
+        max((_colour_intervals(per_device)[1] for per_device in group), default=0)
+        for group in lives
+    )
+    counted = dataclasses.replace(
+        tables, num_residual_slots=residual, num_kept_slots=kept_count, num_stash_slots=stash
+    )
+    counted.__dict__["action_times"] = tables.action_times  # the same actions: keep the cache
+    return counted
 
 
 def lockstep_ticks(schedule: Schedule) -> dict[Action, int]:
@@ -837,23 +873,23 @@ def _lifetimes(
     residual: list[list] = [[] for _ in range(num_devices)]
     kept_out: list[list] = [[] for _ in range(num_devices)]
     stash: list[list] = [[] for _ in range(num_devices)]
-    for action, tick in tick_of.items():
-        if action.kind != "F":
+    at = {(a.kind, a.stage, a.microbatch): tick for a, tick in tick_of.items()}
+    for (kind, s, i), tick in at.items():
+        if kind != "F":
             continue
-        s, i = action.stage, action.microbatch
-        last = Action("W", s, i) if Action("B", s, i) in tick_of else Action("BW", s, i)
-        if last not in tick_of:
+        last = ("W", s, i) if ("B", s, i) in at else ("BW", s, i)
+        if last not in at:
             raise ScheduleError(
-                f"dependency rule: {action} has no backward ({last}) in the schedule; "
-                "every forward needs a backward"
+                f"dependency rule: {Action(kind, s, i)} has no backward ({Action(*last)}) in "
+                "the schedule; every forward needs a backward"
             )
         if kept[s]:
-            kept_out[placement[s]].append((tick, tick_of[last], (s, i)))
-        if last.kind == "W":
-            stash[placement[s]].append((tick_of[Action("B", s, i)], tick_of[last], (s, i)))
+            kept_out[placement[s]].append((tick, at[last], (s, i)))
+        if last[0] == "W":
+            stash[placement[s]].append((at[("B", s, i)], at[last], (s, i)))
             if not residuals_until_weight[s]:
-                last = Action("B", s, i)
-        residual[placement[s]].append((tick, tick_of[last], (s, i)))
+                last = ("B", s, i)
+        residual[placement[s]].append((tick, at[last], (s, i)))
     return residual, kept_out, stash
 
 
@@ -909,13 +945,14 @@ def pack_intervals(
     return best
 
 
-def _lowest_gap(taken: Sequence[tuple[int, int]], size: int, bank: int | None) -> int:
-    """Returns the lowest offset at which ``size`` elements miss every ``(low, high)`` range of
-    ``taken`` (sorted by ``low``) and cross no multiple of ``bank`` (if given)."""
+def _lowest_gap(taken: Sequence[tuple[int, int, int]], size: int, bank: int | None) -> int:
+    """Returns the lowest offset at which ``size`` elements miss every ``[low, high)`` range of
+    ``taken``, triples ``(low, high, _)`` sorted by ``low``, and cross no multiple of ``bank``
+    (if given)."""
     floor = 0
     while True:
         offset = floor
-        for low, high in taken:
+        for low, high, _ in taken:
             if offset + size <= low:
                 break
             if high > offset:
@@ -933,7 +970,7 @@ def _first_fit_in_start_order(order: Sequence[tuple], bank: int | None) -> list[
     alive: list[tuple[int, int, int]] = []  # (low, high, end), sorted by low
     for start, end, _, size in order:
         alive = [taken for taken in alive if taken[2] > start]
-        low = _lowest_gap([taken[:2] for taken in alive], size, bank)
+        low = _lowest_gap(alive, size, bank)
         bisect.insort(alive, (low, low + size, end))
         lows.append(low)
     return lows
@@ -949,7 +986,7 @@ def _first_fit(order: Sequence[tuple], bank: int | None) -> list[int]:
     for j, (start, end, _, size) in enumerate(order):
         clash = np.flatnonzero((starts[:j] < end) & (start < ends[:j]))
         clash = clash[np.argsort(lows[clash], kind="stable")]
-        taken = zip(lows[clash].tolist(), highs[clash].tolist(), strict=True)
+        taken = zip(lows[clash].tolist(), highs[clash].tolist(), clash.tolist(), strict=True)
         lows[j] = _lowest_gap(list(taken), size, bank)
         highs[j] = lows[j] + size
     return lows.tolist()
@@ -1032,16 +1069,13 @@ def arenas(
     residuals), never for one another action writes in the same tick.
     """
     limit = ARENA_BANK if limit is None else limit
-    num_phases, num_lanes = len(PHASES), tables.num_lanes
-    tick_of = {}
-    at_of: dict[tuple[int, int], list] = {}
-    for (t, d, lane), code in np.ndenumerate(tables.kind):
-        if code != IDLE:
-            s, i = int(tables.stage[t, d, lane]), int(tables.microbatch[t, d, lane])
-            name = KIND_NAMES[int(code)]
-            tick_of[Action(name, s, i)] = (t * num_phases + PHASES[name]) * num_lanes + lane
-            at_of.setdefault((s, i), []).append((t, d, lane))
+    tick_of = tables.action_times
     split = {(a.stage, a.microbatch) for a in tick_of if a.kind == "W"}
+    # Each lane's (stage, microbatch) item, numbered stage * num_microbatches + microbatch.
+    busy = tables.kind != IDLE
+    num_microbatches = int(tables.microbatch.max(initial=0)) + 1
+    item_count = (int(tables.stage.max(initial=0)) + 1) * num_microbatches
+    item_of = tables.stage.astype(np.int64) * num_microbatches + tables.microbatch
     lives = _lifetimes(tick_of, tables.placement, tables.num_devices, kept, residuals_until_weight)
     align = align or (1,) * num_dtypes
     groups = range(len(ARENA_GROUPS))
@@ -1092,10 +1126,13 @@ def arenas(
                         largest = rows * length
                         break
                     rows += 1
-            for where, _ in packed:
-                for (g, owner), offset in where.items():
-                    for at in at_of[owner]:
-                        offsets[at + (g, k)] = offset
+            for g in members:
+                by_item = np.zeros(item_count, np.int64)
+                for where, _ in packed:
+                    for (group, (s, i)), offset in where.items():
+                        if group == g:
+                            by_item[s * num_microbatches + i] = offset
+                offsets[..., g, k] = np.where(busy, by_item[item_of], 0)
             buffer_sizes.append(largest)
             buffer_banks.append(rows)
         sizes.append(tuple(buffer_sizes))
@@ -1202,14 +1239,6 @@ def tick_tables(
         kept = (True,) * schedule.num_stages
     if residuals_until_weight is None:
         residuals_until_weight = (False,) * schedule.num_stages
-    residual_intervals, kept_intervals, stash_intervals = _lifetimes(
-        tick_of, placement, num_devices, kept, residuals_until_weight
-    )
-    # The most items of each kind a device holds at once (the arenas place them: ``arenas``).
-    num_residual_slots, num_kept_slots, num_stash_slots = (
-        max((_colour_intervals(iv)[1] for iv in per_device), default=0)
-        for per_device in (residual_intervals, kept_intervals, stash_intervals)
-    )
 
     # Messages live from the tick they are sent until the tick they are read, on the reader.
     # The messages a device sends over one shift in one tick take the payload's positions in
@@ -1282,7 +1311,7 @@ def tick_tables(
     for key, (tick, shift, position, reader_device) in sends.items():
         slot = message_slots[reader_device][0][key]
         message_write[tick, reader_device, shift_index[shift], position] = slot
-    return TickTables(
+    tables = TickTables(
         kind=kind,
         stage=stage,
         microbatch=microbatch,
@@ -1291,13 +1320,14 @@ def tick_tables(
         send_position=send_position,
         shifts=shifts,
         messages_per_shift=tuple(messages_per_shift),
-        num_residual_slots=num_residual_slots,
-        num_kept_slots=num_kept_slots,
-        num_stash_slots=num_stash_slots,
+        num_residual_slots=0,
+        num_kept_slots=0,
+        num_stash_slots=0,
         num_message_slots=num_message_slots,
         edges=edges,
         placement=tuple(placement),
     )
+    return with_lives(tables, kept, residuals_until_weight)
 
 
 def decode_actions(tables: TickTables) -> tuple[tuple[Action, ...], ...]:
