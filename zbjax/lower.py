@@ -756,12 +756,15 @@ def reads_stash_apart(devices: Any) -> bool:
     return all(d.platform in STASH_READS_APART for d in np.ravel(devices))
 
 
-def read_apart(read: Callable[[], Any], code: jax.Array) -> Any:
+def read_apart(read: Callable[[], Any], code: jax.Array, avals: Any = None) -> Any:
     """Returns ``read()`` computed inside a conditional whose predicate (``code >= 0``) holds
     whenever it runs, so that XLA computes the values into whole buffers before any work on
     them, fusing neither the reads into that work nor the work into the reads (``code``: a
-    traced integer that is never negative, e.g. the tick's action code)."""
-    avals = jax.eval_shape(read)
+    traced integer that is never negative, e.g. the tick's action code). ``avals``: the shapes
+    and dtypes ``read()`` returns, where the caller knows them (else ``read`` is traced once
+    more to find them)."""
+    if avals is None:
+        avals = jax.eval_shape(read)
     return jax.lax.cond(
         code >= 0, read, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
     )
@@ -1095,7 +1098,8 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     return eval_jaxpr_here(jaxpr, *residuals, *output_cotangents(messages))
 
                 if kind == BACKWARD_INPUT and (slots.overlay or writes_shared):
-                    outs = read_apart(backward, ctx["code"])  # see the docstring
+                    # See the docstring; B's outputs are its jaxpr's.
+                    outs = read_apart(backward, ctx["code"], list(jaxpr.out_avals))
                 else:
                     outs = backward()
                 in_cts, rest = outs[:n_in_cts], outs[n_in_cts:]
