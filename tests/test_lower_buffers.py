@@ -419,3 +419,42 @@ def test_buffers_outside_jit_and_ahead_of_time_and_bad_buffers():
     other = mlp.make_batch(jax.random.key(1), CFG, 32)
     with pytest.raises(zbjax.PipelineError, match="init_buffers"):
         pipe.value_and_grad(params, other, buffers=returned)
+
+
+@pytest.mark.parametrize("schedule, devices", [("zb-h2", 4), ("zb-v", 2), ("zb-h1", 4)])
+def test_layouts_not_packed_for_their_floor_change_nothing_the_lowering_takes(
+    schedule, devices, monkeypatch
+):
+    # _slots_and_tables packs a layout only when its floor (the most bytes alive at once) is
+    # below the best packed of its kind; packing every layout must take the same one.
+    cfg = dataclasses.replace(GPT_CFG, num_layers=4, stage_boundaries=(0, 1, 2))
+    params = gpt.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 16)
+    mesh = jax.make_mesh((devices,), ("pp",), devices=jax.devices()[:devices])
+    pipe = zbjax.pipeline(gpt.make_loss_fn(cfg), mesh=mesh, schedule=schedule, num_microbatches=8)
+    pipe.stage(params, batch)
+    low = pipe.lowering
+    args = (pipe.programs, low.slot_dtypes, low.schedule, pipe.graph)
+    packs = []
+    real_arenas = zbjax.lower.arenas
+    monkeypatch.setattr(
+        zbjax.lower, "arenas", lambda *a, **k: packs.append(1) or real_arenas(*a, **k)
+    )
+    layouts, tables, _, arena = zbjax.lower._slots_and_tables(*args)
+    pruned = len(packs)
+    floor = zbjax.lower.arena_floor
+    monkeypatch.setattr(
+        zbjax.lower, "arena_floor", lambda *a, **k: tuple((0,) * len(n) for n in floor(*a, **k))
+    )
+    packs.clear()
+    every = zbjax.lower._slots_and_tables(*args)
+    assert len(packs) > pruned  # the floors spared some packing
+    assert every[0] == layouts
+    assert (every[1].num_residual_slots, every[1].num_kept_slots, every[1].num_stash_slots) == (
+        tables.num_residual_slots,
+        tables.num_kept_slots,
+        tables.num_stash_slots,
+    )
+    assert every[3].sizes == arena.sizes and every[3].group_buffer == arena.group_buffer
+    assert (every[3].offsets == arena.offsets).all()
+    assert arena.sizes == low.arenas.sizes  # what the pipeline took

@@ -21,6 +21,7 @@ from zbjax.ticks import (
     PACKINGS,
     PHASES,
     MessageEdge,
+    arena_floor,
     arenas,
     barrier_time,
     choose_ticks,
@@ -849,6 +850,8 @@ def replay_arenas(schedule, tables, kept, until_weight, limit=None) -> None:
             tables, size_of, 1, kept, until_weight, align=[2], shared=shared, limit=limit
         )
         assert arena.shared == shared and len(arena.sizes) == (1 if shared else 3)
+        floor = arena_floor(tables, size_of, 1, kept, until_weight, align=[2], shared=shared)
+        assert all(f[0] <= n[0] for f, n in zip(floor, arena.sizes, strict=True))
         # Each item: (device, buffer) -> its offset, size and the times of the actions that
         # touch it (tick, phase, lane); it lives from its write to its last read.
         touched: dict = {}
@@ -926,6 +929,24 @@ def test_arena_items_never_overlap_for_every_schedule_with_or_without_kept_resid
         replay_arenas(schedule, tick_tables(schedule), [True] * n, [False] * n)
         whole = tick_tables(schedule, kept=[False] * n, residuals_until_weight=[True] * n)
         replay_arenas(schedule, whole, [False] * n, [True] * n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_arena_floor_is_what_separate_arenas_of_one_item_size_take(name):
+    # Items of one size per buffer pack like slots: exactly the most alive at once, the floor.
+    schedule = build(name, 4, 8)
+    n = schedule.num_stages
+    tables = tick_tables(schedule)
+    sizes = {"residual": 6, "kept": 4, "stash": 2}
+
+    def size_of(group, stage, k, split):
+        return sizes[group] if group != "stash" or split else 0
+
+    floor = arena_floor(tables, size_of, 1, [True] * n, [False] * n, align=[2])
+    packed = arenas(tables, size_of, 1, [True] * n, [False] * n, align=[2])
+    assert floor == packed.sizes
+    counts = (tables.num_residual_slots, tables.num_kept_slots, tables.num_stash_slots)
+    assert floor == tuple((sizes[g] * c,) for g, c in zip(ARENA_GROUPS, counts, strict=True))
 
 
 def test_one_shared_arena_holds_less_than_equal_slots_when_peaks_differ_by_device():

@@ -80,6 +80,7 @@ from zbjax.ticks import (
     Arenas,
     MessageEdge,
     TickTables,
+    arena_floor,
     arenas,
     incoming_messages,
     outgoing_messages,
@@ -660,8 +661,19 @@ def _slots_and_tables(
         for shared in ARENA_SHARING:
             if shared and not separate_w:
                 continue  # B writes nothing: nothing to share with
+            # Overlaid or shared, B writes into the buffer it reads.
+            key = overlay or shared
             # Layouts that differ only where no item does pack alike: pack them once.
             signature = (lives, items, shared)
+            align = [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes]
+            if signature not in packed and key in best:
+                # Packing takes time (seconds at m = 256 on 32 devices); a layout whose
+                # floor holds no fewer bytes than the best of its kind cannot be taken.
+                floor = arena_floor(
+                    tables, size_of, len(dtypes), kept, until_weight, align, shared=shared
+                )
+                if sum(_slot_bytes(dtypes, n) for n in floor) >= best[key][0]:
+                    continue
             if signature not in packed:
                 try:
                     packed[signature] = arenas(
@@ -670,7 +682,7 @@ def _slots_and_tables(
                         len(dtypes),
                         kept,
                         until_weight,
-                        [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes],
+                        align,
                         shared=shared,
                     )
                 except ScheduleError as error:  # an item too large for a row: not this one
@@ -679,8 +691,6 @@ def _slots_and_tables(
             if isinstance(arena, ScheduleError):
                 continue
             size = sum(_slot_bytes(dtypes, n) for n in arena.sizes)
-            # Overlaid or shared, B writes into the buffer it reads.
-            key = overlay or shared
             if key not in best or size < best[key][0]:
                 best[key] = (size, layouts, tables, arena)
     if not best:

@@ -1045,6 +1045,46 @@ class Arenas:
 ARENA_BANK = 2**31 - 2**16
 
 
+def arena_floor(
+    tables: TickTables,
+    size_of: Callable[[str, int, int, bool], int],
+    num_dtypes: int,
+    kept: Sequence[bool],
+    residuals_until_weight: Sequence[bool],
+    align: Sequence[int] | None = None,
+    shared: bool = False,
+) -> tuple[tuple[int, ...], ...]:
+    """Returns, per buffer and dtype, a size no arrangement of ``arenas`` (same arguments) can
+    go below: the most elements alive at once on any device (each item rounded up to its
+    alignment). Cheap beside packing, so that a caller weighing several layouts packs only
+    those that could hold fewer bytes than the best packed so far."""
+    tick_of = tables.action_times
+    split = {(a.stage, a.microbatch) for a in tick_of if a.kind == "W"}
+    lives = _lifetimes(tick_of, tables.placement, tables.num_devices, kept, residuals_until_weight)
+    align = align or (1,) * num_dtypes
+    groups = range(len(ARENA_GROUPS))
+    buffers = [tuple(groups)] if shared else [(g,) for g in groups]
+    floors = []
+    for members in buffers:
+        per_dtype = []
+        for k in range(num_dtypes):
+            most = 0
+            for d in range(tables.num_devices):
+                events = []
+                for g in members:
+                    for start, end, owner in lives[g][d]:
+                        size = size_of(ARENA_GROUPS[g], owner[0], k, owner in split)
+                        size = -(-int(size) // align[k]) * align[k]
+                        if size:
+                            events += [(start, size), (end, -size)]
+                # Ends sort before starts at the same time: half-open lives.
+                alive = np.cumsum([n for _, n in sorted(events)]) if events else [0]
+                most = max(most, int(np.max(alive)))
+            per_dtype.append(most)
+        floors.append(tuple(per_dtype))
+    return tuple(floors)
+
+
 def arenas(
     tables: TickTables,
     size_of: Callable[[str, int, int, bool], int],
