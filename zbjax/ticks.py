@@ -922,9 +922,7 @@ def pack_intervals(
     if len({item[3] for item in items}) > 1:
         orders.append(sorted(items, key=lambda x: (-x[3], x[0], x[1])))
     # No placement needs less than what is alive at once: one that needs that is the best.
-    events = sorted([(e, -n) for _, e, _, n in items] + [(s, n) for s, _, _, n in items])
-    alive = np.cumsum([n for _, n in events]) if events else np.zeros(1, np.int64)
-    least = int(alive.max(initial=0))
+    least = _most_alive([(start, end, size) for start, end, _, size in items])
     best: tuple[dict, int] = ({owner: 0 for _, _, owner in intervals}, 0)
     for n, order in enumerate(orders):
         lows = _first_fit_in_start_order(order, bank) if n == 0 else _first_fit(order, bank)
@@ -943,6 +941,13 @@ def pack_intervals(
             where.update({owner: slot * largest for owner, slot in slot_of.items()})
             best = (where, num_slots * largest)
     return best
+
+
+def _most_alive(lives: Sequence[tuple[int, int, int]]) -> int:
+    """Returns the largest total size of half-open lives ``(start, end, size)`` alive at one
+    time (a life that ends when another starts is not alive with it)."""
+    events = sorted([(end, -size) for _, end, size in lives] + [(s, n) for s, _, n in lives])
+    return int(np.cumsum([n for _, n in events]).max()) if events else 0
 
 
 def _lowest_gap(taken: Sequence[tuple[int, int, int]], size: int, bank: int | None) -> int:
@@ -1058,31 +1063,42 @@ def arena_floor(
     go below: the most elements alive at once on any device (each item rounded up to its
     alignment). Cheap beside packing, so that a caller weighing several layouts packs only
     those that could hold fewer bytes than the best packed so far."""
+    split, lives = _arena_lives(tables, kept, residuals_until_weight)
+    align = align or (1,) * num_dtypes
+    return tuple(
+        tuple(
+            max(
+                _most_alive(
+                    [
+                        (start, end, -(-int(size) // align[k]) * align[k])
+                        for g in members
+                        for start, end, owner in lives[g][d]
+                        if (size := size_of(ARENA_GROUPS[g], owner[0], k, owner in split))
+                    ]
+                )
+                for d in range(tables.num_devices)
+            )
+            for k in range(num_dtypes)
+        )
+        for members in _arena_buffers(shared)
+    )
+
+
+def _arena_lives(
+    tables: TickTables, kept: Sequence[bool], residuals_until_weight: Sequence[bool]
+) -> tuple[set[tuple[int, int]], tuple[list[list], list[list], list[list]]]:
+    """Returns the (stage, microbatch) items whose backward is split and, per ``ARENA_GROUPS``
+    group and device, the items' lives on ``tables``'s (tick, phase, lane) clock."""
     tick_of = tables.action_times
     split = {(a.stage, a.microbatch) for a in tick_of if a.kind == "W"}
     lives = _lifetimes(tick_of, tables.placement, tables.num_devices, kept, residuals_until_weight)
-    align = align or (1,) * num_dtypes
-    groups = range(len(ARENA_GROUPS))
-    buffers = [tuple(groups)] if shared else [(g,) for g in groups]
-    floors = []
-    for members in buffers:
-        per_dtype = []
-        for k in range(num_dtypes):
-            most = 0
-            for d in range(tables.num_devices):
-                events = []
-                for g in members:
-                    for start, end, owner in lives[g][d]:
-                        size = size_of(ARENA_GROUPS[g], owner[0], k, owner in split)
-                        size = -(-int(size) // align[k]) * align[k]
-                        if size:
-                            events += [(start, size), (end, -size)]
-                # Ends sort before starts at the same time: half-open lives.
-                alive = np.cumsum([n for _, n in sorted(events)]) if events else [0]
-                most = max(most, int(np.max(alive)))
-            per_dtype.append(most)
-        floors.append(tuple(per_dtype))
-    return tuple(floors)
+    return split, lives
+
+
+def _arena_buffers(shared: bool) -> list[tuple[int, ...]]:
+    """Returns the ``ARENA_GROUPS`` groups each arena buffer holds: all in one, or one each."""
+    groups = tuple(range(len(ARENA_GROUPS)))
+    return [groups] if shared else [(g,) for g in groups]
 
 
 def arenas(
@@ -1109,17 +1125,15 @@ def arenas(
     residuals), never for one another action writes in the same tick.
     """
     limit = ARENA_BANK if limit is None else limit
-    tick_of = tables.action_times
-    split = {(a.stage, a.microbatch) for a in tick_of if a.kind == "W"}
+    split, lives = _arena_lives(tables, kept, residuals_until_weight)
     # Each lane's (stage, microbatch) item, numbered stage * num_microbatches + microbatch.
     busy = tables.kind != IDLE
     num_microbatches = int(tables.microbatch.max(initial=0)) + 1
     item_count = (int(tables.stage.max(initial=0)) + 1) * num_microbatches
     item_of = tables.stage.astype(np.int64) * num_microbatches + tables.microbatch
-    lives = _lifetimes(tick_of, tables.placement, tables.num_devices, kept, residuals_until_weight)
     align = align or (1,) * num_dtypes
     groups = range(len(ARENA_GROUPS))
-    buffers = [tuple(groups)] if shared else [(g,) for g in groups]
+    buffers = _arena_buffers(shared)
     offsets = np.zeros(tables.kind.shape + (len(ARENA_GROUPS), num_dtypes), np.int64)
     sizes, banks = [], []
     for members in buffers:
