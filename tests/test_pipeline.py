@@ -532,13 +532,18 @@ def test_compile_time_is_flat_in_the_number_of_microbatches(memory_table):
     for name in ("gpipe", "1f1b", "zb-h1"):
         lines = [memory_table[(name, m)][4] for m in (8, 64)]
         assert lines[1] == lines[0], (name, lines)
-    # Each compile timed twice (the fixture's and one here), the faster kept, since even CPU
-    # time swings with what the other test worker does to the caches.
-    small, large = (
-        min(memory_table[("zb-h1", m)][3], compiled_memory("zb-h1", m, rows_per_microbatch=1)[3])
-        for m in (8, 64)
-    )
-    assert large <= 1.5 * small, (small, large)
+    # Each compile timed at least twice (the fixture's and one here), the fastest kept, since
+    # even CPU time swings with what the other test worker does to the caches: in one CI run
+    # both m = 64 compiles took 1.8x the m = 8 ones, which alone compile in 0.97-1.05x. Where
+    # the ratio is over the limit, both are timed again (up to three more times) before the
+    # test fails: a program that grows with m stays over it.
+    fastest = {m: memory_table[("zb-h1", m)][3] for m in (8, 64)}
+    for _ in range(4):
+        for m in (8, 64):
+            fastest[m] = min(fastest[m], compiled_memory("zb-h1", m, rows_per_microbatch=1)[3])
+        if fastest[64] <= 1.5 * fastest[8]:
+            break
+    assert fastest[64] <= 1.5 * fastest[8], fastest
 
 
 # ----------------------------------------------------------------------------- bad input
