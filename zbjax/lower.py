@@ -629,8 +629,10 @@ def _slots_and_tables(
     """
     best: dict[bool, tuple] = {}
     packed: dict[tuple, Arenas | ScheduleError] = {}
-    plain_tables: TickTables | None = None  # the layouts change nothing but the item counts
     separate_w = any(a.kind == "W" for _, _, a in schedule.all_actions())
+    # The layouts change nothing in the tables but their item counts (``with_lives``).
+    plain_tables = tick_tables(schedule, message_edges(graph), positions=positions)
+    align = [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes]
     for whole, overlay in SLOT_CANDIDATES:
         if overlay and not separate_w:
             continue  # no B writes a stash: nothing to overlay
@@ -641,14 +643,6 @@ def _slots_and_tables(
         kept = [s.has_kept for s in layouts]
         until_weight = [s.weight_reads_residuals for s in layouts]
         lives = (tuple(kept), tuple(until_weight))
-        if plain_tables is None:
-            plain_tables = tick_tables(
-                schedule,
-                message_edges(graph),
-                kept=kept,
-                residuals_until_weight=until_weight,
-                positions=positions,
-            )
         tables = with_lives(plain_tables, kept, until_weight)
         size_of = functools.partial(_item_size, layouts)
         items = tuple(
@@ -665,7 +659,6 @@ def _slots_and_tables(
             key = overlay or shared
             # Layouts that differ only where no item does pack alike: pack them once.
             signature = (lives, items, shared)
-            align = [max(1, ARENA_ALIGN_BYTES // np.dtype(d).itemsize) for d in dtypes]
             if signature not in packed and key in best:
                 # Packing takes time (seconds at m = 256 on 32 devices); a layout whose
                 # floor holds no fewer bytes than the best of its kind cannot be taken.

@@ -175,7 +175,7 @@ def with_lives(
     # Within a kind, items start only at their writer's phase and end at a later one, so the
     # most alive at once on this clock is the most alive on any clock that keeps the phases.
     residual, kept_count, stash = (
-        max((_colour_intervals(per_device)[1] for per_device in group), default=0)
+        max((_most_alive([(a, b, 1) for a, b, _ in per_device]) for per_device in group), default=0)
         for group in lives
     )
     counted = dataclasses.replace(
@@ -1180,13 +1180,12 @@ def arenas(
                         largest = rows * length
                         break
                     rows += 1
+            by_item = np.zeros((len(ARENA_GROUPS), item_count), np.int64)
+            for where, _ in packed:
+                for (g, (s, i)), offset in where.items():
+                    by_item[g, s * num_microbatches + i] = offset
             for g in members:
-                by_item = np.zeros(item_count, np.int64)
-                for where, _ in packed:
-                    for (group, (s, i)), offset in where.items():
-                        if group == g:
-                            by_item[s * num_microbatches + i] = offset
-                offsets[..., g, k] = np.where(busy, by_item[item_of], 0)
+                offsets[..., g, k] = np.where(busy, by_item[g][item_of], 0)
             buffer_sizes.append(largest)
             buffer_banks.append(rows)
         sizes.append(tuple(buffer_sizes))
