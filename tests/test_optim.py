@@ -204,10 +204,12 @@ def test_leaf_view_of_whole_missing_scalar_and_row_range_copies():
         (((0, 1), (2,), (0, 3)), (0, 1, 1), None),  # leaf 0 tied over two devices
         (((0, 1), (0, 2)), (0, 0), None),  # tied on one device, stored twice
         (((0, 3), (0,), (0, 2)), (0, 1, 0), (((0, 2), None), ((2, 4),), ((3, 6), None))),
+        (((0, 4), (1, 4, 2)), (0, 1), None),  # a scalar leaf (a learned scale) on both devices
     ],
 )
 def test_unpack_then_pack_gives_each_devices_row_back(stage_leaves_, placement, rows):
-    avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((6, 3), (4,), (2, 2), (5,))]
+    shapes = ((6, 3), (4,), (2, 2), (5,), ())
+    avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     layout = staged_layout(avals, stage_leaves_, placement, 2, rows)
     leaves = [jax.random.normal(jax.random.key(i), a.shape) for i, a in enumerate(avals)]
     staged = stage_leaves(layout, leaves)

@@ -587,6 +587,45 @@ def test_params_not_matching_the_traced_structure_show_expected_and_given(mlp_se
         pipe.value_and_grad(wrong, batch)
 
 
+def test_batch_leaves_of_different_lengths_are_rejected_under_data_parallelism(mlp_setup):
+    # Each data-parallel shard takes a block of every leaf's rows: with 16 inputs and 8
+    # targets a shard's 2 inputs would meet 1 target, which broadcasts to a wrong loss.
+    loss_fn, params, batch, _ = mlp_setup
+    short = {**batch, "y": batch["y"][:8]}
+    mesh = jax.make_mesh((2, 4), ("pp", "dp"), axis_types=(AUTO, AUTO))
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    with pytest.raises(zbjax.PipelineError, match=r"different numbers of rows.*\['y'\]: 4"):
+        pipe.value_and_grad(params, short)
+
+
+def scalar_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"]) * params["scale"]
+    h = zbjax.stage_boundary(h)
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_them():
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2)), "scale": 0.5}
+    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    pipe = zbjax.pipeline(scalar_loss, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
+    reference = jax.value_and_grad(scalar_loss)(params, batch)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+    staged = pipe.stage(params, batch)  # float32 rows, as jit makes of float64 without x64
+    loss, grads = pipe.value_and_grad(staged, batch)
+    assert_close((loss, pipe.unstage(grads)), reference)
+    # An optimizer that looks at the tree sees the scalar leaf whole on its device.
+    mask = {"w1": True, "w2": True, "scale": False}
+    tx = optax.adamw(0.1, weight_decay=0.5, mask=mask)
+    updates, _ = pipe.per_leaf(tx).update(grads, pipe.per_leaf(tx).init(staged), staged)
+    want, _ = tx.update(reference[1], tx.init(params), params)
+    got_leaves = jax.tree.leaves(pipe.unstage(updates))
+    for got, expected in zip(got_leaves, jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(zbjax.PipelineError, match=r"\['t'\] is a scalar"):
+        pipe.value_and_grad(params, {**batch, "t": 1.0})
+
+
 def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):
     loss_fn, params, batch, _ = mlp_setup
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)

@@ -134,7 +134,8 @@ def unpack_views(
             out.append(None)
             continue
         values = read_slots(layout, rows, [slot for slot, _ in view.reads])
-        pieces = [v[skip:] for v, (_, skip) in zip(values, view.reads, strict=True)]
+        # A scalar leaf is read whole (skip 0): it has no rows to skip.
+        pieces = [v[skip:] if skip else v for v, (_, skip) in zip(values, view.reads, strict=True)]
         out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
     return out
 

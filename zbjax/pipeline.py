@@ -128,8 +128,15 @@ class Buffers:
         return f"Buffers({len(self.pools)} pools, {self.nbytes / 1e6:.1f} MB)"
 
 
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype ``jax.jit`` gives ``x``: a Python scalar or a NumPy array takes
+    JAX's canonical dtype (float32 for a Python float or a float64 array, without x64)."""
+    dtype = x.dtype if isinstance(x, jax.Array) else jnp.result_type(x)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+
+
 def _avals(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    return jax.tree.map(_aval, tree)
 
 
 def _shapes_text(avals: Any) -> str:
@@ -463,7 +470,8 @@ class Pipeline:
         the user-layout tree. Works under ``jax.jit``.
         """
         if not isinstance(tree, StagedParams):
-            leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+            leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
             return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
         built = self._require_built("global_norm")
         self._check_staged(tree, built)
@@ -481,6 +489,7 @@ class Pipeline:
             under = norm < max_norm
 
             def clip(u):  # as optax: unchanged under the limit, else scaled to norm max_norm
+                u = jnp.asarray(u)
                 if not jnp.issubdtype(u.dtype, jnp.inexact):
                     return u
                 return jax.lax.select(under, u, (u / norm.astype(u.dtype)) * max_norm)
@@ -605,7 +614,7 @@ class Pipeline:
 
     def _check_params(self, params: Any) -> list:
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        avals = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+        avals = tuple(_aval(x) for x in leaves)
         if self._params_treedef is None:
             self._params_treedef, self._params_avals = treedef, avals
         elif treedef != self._params_treedef or avals != self._params_avals:
@@ -637,7 +646,7 @@ class Pipeline:
         else:
             self._check_params(params)
             params_avals = _avals(params)
-        key_aval = None if key is None else jax.ShapeDtypeStruct(np.shape(key), key.dtype)
+        key_aval = None if key is None else _aval(key)
         cache_key = (
             jax.tree_util.tree_structure(batch),
             tuple(jax.tree.leaves(_avals(batch))),
@@ -665,6 +674,18 @@ class Pipeline:
         stacked = jax.eval_shape(lambda b: split_microbatches(b, self.num_microbatches), batch)
         shards = self.data_parallel_size
         leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
+        counts = {jax.tree_util.keystr(path): a.shape[1] for path, a in leaves}
+        if shards > 1 and len(set(counts.values())) > 1:
+            # Each data-parallel shard takes its own block of every leaf's rows, so leaves of
+            # different lengths would pair rows that the unpipelined loss never pairs.
+            listed = ", ".join(f"{name}: {rows}" for name, rows in counts.items())
+            raise PipelineError(
+                "batch leaves have different numbers of rows per microbatch "
+                f"({listed}), so the {shards} data-parallel shards of mesh axes "
+                f"{self.data_axes} would split them at different places; give every batch "
+                "leaf the same leading (batch) size, or pass per-step constants through params "
+                "or a closure instead"
+            )
         micro = []
         for path, a in leaves:
             rows = a.shape[1] if len(a.shape) >= 2 else None
