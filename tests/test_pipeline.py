@@ -1,6 +1,7 @@
 """zbjax.pipeline end to end: pipelined loss and grads equal jax.value_and_grad, memory, errors."""
 
 import dataclasses
+import functools
 import re
 import time
 
@@ -624,6 +625,48 @@ def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(zbjax.PipelineError, match=r"\['t'\] is a scalar"):
         pipe.value_and_grad(params, {**batch, "t": 1.0})
+
+
+def callback_loss(params, batch, seen=None):
+    h = jnp.tanh(batch["x"] @ params["w1"])
+    jax.debug.callback(lambda v: seen.append(("s0", np.asarray(v))), jnp.sum(h * h, axis=1))
+    h = zbjax.stage_boundary(h)
+    out = h @ params["w2"]
+    jax.debug.callback(lambda v: seen.append(("s1", np.asarray(v))), jnp.sum(out, axis=1))
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
+def test_debug_callbacks_run_in_the_pipeline_once_per_microbatch(schedule):
+    # jax.debug.print / callback return nothing the loss reads; the pipeline keeps them (as
+    # JAX keeps effects) in the stage of their inputs, called once per microbatch.
+    rng = np.random.default_rng(1)
+    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
+    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    expected: list = []
+    jax.block_until_ready(callback_loss(params, batch, expected))
+    seen: list = []
+    loss_fn = functools.partial(callback_loss, seen=seen)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=4)
+    jax.block_until_ready(pipe.value_and_grad(params, batch))
+    assert sorted(site for site, _ in seen) == ["s0"] * 4 + ["s1"] * 4
+    for site in ("s0", "s1"):
+        got = np.sort(np.concatenate([v for s, v in seen if s == site]))
+        want = np.sort(np.concatenate([v for s, v in expected if s == site]))
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_an_ordered_debug_print_is_rejected_naming_ordered_false(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+
+    def printing(params, batch):
+        loss = loss_fn(params, batch)
+        jax.debug.print("loss {}", loss, ordered=True)
+        return loss
+
+    pipe = zbjax.pipeline(printing, mesh=pp_mesh(2), num_microbatches=2)
+    with pytest.raises(zbjax.PartitionError, match="ordered effects.*pass ordered=False"):
+        pipe.value_and_grad(params, batch)
 
 
 def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):

@@ -59,6 +59,15 @@ def new_var(aval: Any) -> Var:
     return Var(aval)
 
 
+def ordered_effect_names(jaxpr: Jaxpr) -> list[str]:
+    """Returns the names of ``jaxpr``'s ordered effects (``jax.debug.print(...,
+    ordered=True)``, ``io_callback(..., ordered=True)``), which JAX runs on one device only."""
+    from jax._src import effects
+
+    found = [e for e in jaxpr.effects if effects.ordered_effects.contains(e)]
+    return sorted({type(e).__name__ for e in found})
+
+
 def make_closed_jaxpr(
     invars: Sequence[Var],
     outvars: Sequence[Any],

@@ -57,6 +57,7 @@ from zbjax import cost_model
 from zbjax._jax_compat import (
     bind_equation,
     no_mesh_context,
+    ordered_effect_names,
     scan_counts,
     sharded_axes,
     strip_sharding_annotations,
@@ -292,6 +293,14 @@ def _trace(
         )
     if has_aux:
         _check_aux(aux[0][1], out_avals[1:])
+    ordered = ordered_effect_names(closed.jaxpr)
+    if ordered:
+        raise PartitionError(
+            f"loss_fn has ordered effects ({', '.join(ordered)}): jax.debug.print(..., "
+            "ordered=True) or io_callback(..., ordered=True), which JAX runs on one device "
+            "only, while a pipelined step runs on every device of the pipeline axis; pass "
+            "ordered=False (a pipelined print then comes from each device and microbatch)"
+        )
     with no_mesh_context():
         flat = _inline_calls(closed)
     return _Program(
@@ -423,11 +432,12 @@ def _inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 
 
 def _dce(jaxpr: Jaxpr) -> Jaxpr:
-    """Returns ``jaxpr`` without the equations whose outputs nothing reads."""
+    """Returns ``jaxpr`` without the equations whose outputs nothing reads and that have no
+    effects (a ``jax.debug.print`` reads values and returns nothing, so it is kept)."""
     live = {v for v in jaxpr.outvars if isinstance(v, Var)}
     kept = []
     for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars):
+        if eqn.effects or any(v in live for v in eqn.outvars):
             kept.append(eqn)
             live.update(v for v in eqn.invars if isinstance(v, Var))
     kept.reverse()
