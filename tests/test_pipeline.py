@@ -104,6 +104,29 @@ def test_dropout_key_gives_microbatch_i_fold_in_key_i():
     assert_close(result, reference(params, batch, key))
 
 
+def dropout_loss(params, batch, key):
+    h = jnp.tanh(batch["x"] @ params["w1"])
+    h = h * jax.random.bernoulli(key, 0.5, h.shape) * 2.0
+    h = zbjax.stage_boundary(h)
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed key", "raw uint32 key"])
+def test_data_parallel_shards_draw_their_own_dropout_bits_from_fold_in_key_i_shard(raw):
+    # Shard s of microbatch i calls loss_fn with fold_in(fold_in(key, i), s): every shard
+    # once drew the same mask for its rows, and a raw key's two words were split over dp.
+    rng = np.random.default_rng(2)
+    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
+    batch = {"x": rng.normal(size=(16, 4)), "y": rng.normal(size=(16, 2))}
+    key = jax.random.PRNGKey(3) if raw else jax.random.key(3)
+    mesh = jax.make_mesh((2, 2, 2), ("pp", "dp", "fsdp"), axis_types=(AUTO,) * 3)
+    pipe = zbjax.pipeline(dropout_loss, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    result = pipe.value_and_grad(params, batch, key=key)
+    reference = reference_value_and_grad(dropout_loss, params, batch, 2, key, data_parallel=4)
+    assert_close(result, reference)
+    assert pipe.measure_costs(params, batch, key, repeats=1).f[0] > 0
+
+
 @pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
 def test_float64_model_under_enable_x64_matches_value_and_grad(name):
     # With x64 on, Python ints trace as int64: the slot reads and writes once mixed them with
@@ -667,6 +690,16 @@ def test_an_ordered_debug_print_is_rejected_naming_ordered_false(mlp_setup):
     pipe = zbjax.pipeline(printing, mesh=pp_mesh(2), num_microbatches=2)
     with pytest.raises(zbjax.PartitionError, match="ordered effects.*pass ordered=False"):
         pipe.value_and_grad(params, batch)
+
+
+def test_a_key_the_loss_cannot_take_or_a_missing_one_names_the_fix(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(lambda p, b: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2)
+    with pytest.raises(zbjax.PartitionError, match="does not take a third argument"):
+        pipe.value_and_grad(params, batch, key=jax.random.key(0))
+    needs_key = zbjax.pipeline(lambda p, b, k: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2)
+    with pytest.raises(zbjax.PartitionError, match="pass key= to value_and_grad"):
+        needs_key.value_and_grad(params, batch)
 
 
 def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):

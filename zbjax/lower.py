@@ -352,6 +352,10 @@ class Lowering:
     #: Where the residual, kept and stash data of each (stage, microbatch) lie: the buffers
     #: the tick loop keeps them in (``pool_avals``), sized by what is alive at once.
     arenas: Arenas
+    #: The batch leaf holding each microbatch's PRNG key (``[m]`` typed keys or ``[m, 2]``
+    #: raw ones), or None: it is not split over the data axes; data-parallel shard ``s``
+    #: folds ``s`` into its microbatch's key, so the shards draw independent bits.
+    key_leaf: int | None = None
 
     def slot_bytes(self) -> tuple[int, int, int, int]:
         """Returns the bytes of one residual, kept, stash and message slot."""
@@ -441,8 +445,11 @@ def lower(
     axis_name: str,
     costs: Costs | None = None,
     tensor: tuple[str, int, Sequence[int | None]] | None = None,
+    key_leaf: int | None = None,
 ) -> Lowering:
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
+
+    ``key_leaf`` is the batch leaf that holds the microbatches' PRNG keys (``Lowering.key_leaf``).
 
     ``tensor`` (tensor-parallel axis, its size, per param leaf the dimension it splits or None)
     lays the staged params out split over that axis (``params.staged_layout``); the axis is
@@ -514,6 +521,7 @@ def lower(
         message_dtypes=message_dtypes,
         message_capacity=tuple(message_capacity),
         arenas=arena,
+        key_leaf=key_leaf,
     )
 
 
@@ -1214,6 +1222,12 @@ def _run(
 
     def device_program(rows, batch, xs, given_pools):
         rows = [r[0] for r in rows]
+        if low.key_leaf is not None and data_axes:
+            # Each data-parallel shard draws its own bits: fold_in(key_i, shard).
+            shard = jax.lax.axis_index(data_axes)
+            batch = list(batch)
+            fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+            batch[low.key_leaf] = fold(batch[low.key_leaf], shard)
         xs = tuple(x[:, 0] for x in xs)
         if given_pools:
             pools = [p[0, 0] for p in given_pools]
@@ -1355,8 +1369,10 @@ def _run(
     in_specs = (
         [PartitionSpec(axis)] * len(staged.rows),
         [
-            PartitionSpec(None, data_axes) if data_axes and b.ndim >= 2 else PartitionSpec()
-            for b in batch_leaves
+            PartitionSpec(None, data_axes)
+            if data_axes and b.ndim >= 2 and j != low.key_leaf
+            else PartitionSpec()
+            for j, b in enumerate(batch_leaves)
         ],
         tuple(PartitionSpec(None, axis) for _ in xs),
         [low.pool_spec] * len(pools or ()),

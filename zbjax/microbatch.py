@@ -65,6 +65,7 @@ def reference_value_and_grad(
     key: jax.Array | None = None,
     *,
     has_aux: bool = False,
+    data_parallel: int = 1,
 ) -> tuple[Any, Any]:
     """Returns (loss, grads): the mean over microbatches of ``jax.value_and_grad(loss_fn)``.
 
@@ -73,6 +74,10 @@ def reference_value_and_grad(
     pipelined run must match; for a mean loss without a key it equals the full-batch result.
     With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` and this returns ``((loss, aux),
     grads)``, aux the mean of its per-microbatch values.
+
+    ``data_parallel`` = S computes what a pipeline with S data-parallel shards computes: each
+    microbatch's rows split into S equal blocks, block ``s`` called (with a key) as
+    ``loss_fn(params, block_s, jax.random.fold_in(key_i, s))``, the mean over all blocks.
     """
     microbatches = split_microbatches(batch, num_microbatches)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
@@ -81,10 +86,16 @@ def reference_value_and_grad(
     grad_sum = None
     for i in range(num_microbatches):
         microbatch = jax.tree.map(lambda leaf, i=i: leaf[i], microbatches)
-        extra = () if keys is None else (keys[i],)
-        value, grads = value_and_grad(params, microbatch, *extra)
-        value_sum = value if value_sum is None else jax.tree.map(jnp.add, value_sum, value)
-        grad_sum = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
-    scale = 1.0 / num_microbatches
+        blocks = microbatch if data_parallel == 1 else split_microbatches(microbatch, data_parallel)
+        for s in range(data_parallel):
+            block = blocks if data_parallel == 1 else jax.tree.map(lambda x, s=s: x[s], blocks)
+            if keys is None:
+                extra = ()
+            else:
+                extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
+            value, grads = value_and_grad(params, block, *extra)
+            value_sum = value if value_sum is None else jax.tree.map(jnp.add, value_sum, value)
+            grad_sum = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
+    scale = 1.0 / (num_microbatches * data_parallel)
     mean = jax.tree.map(lambda v: v * jnp.asarray(scale, jnp.result_type(v)), value_sum)
     return mean, jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grad_sum)

@@ -40,6 +40,7 @@ Stage assignment:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import sys
@@ -257,6 +258,7 @@ def _trace(
     has_aux: bool = False,
     tensor_axis: str | None = None,
 ) -> _Program:
+    _check_arity(loss_fn, key is not None)
     num_params = len(param_avals)
     aux: list = []  # with has_aux: (treedef, key paths) of the aux pytree, set while tracing
 
@@ -306,6 +308,31 @@ def _trace(
     return _Program(
         _dce(flat.jaxpr), tuple(flat.consts), num_params, aux[0][0] if has_aux else None
     )
+
+
+def _check_arity(loss_fn: Callable[..., Any], with_key: bool) -> None:
+    """Raises PartitionError when ``loss_fn`` cannot take the arguments the pipeline passes:
+    (params, microbatch), and the microbatch's key when the step was given one."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a callable Python cannot inspect: let the call tell
+        return
+    args = ("params", "batch", "key") if with_key else ("params", "batch")
+    try:
+        signature.bind(*args)
+    except TypeError:
+        if with_key:
+            raise PartitionError(
+                f"value_and_grad got key=, so loss_fn is called as loss_fn(params, "
+                f"microbatch, key_i), but loss_fn{signature} does not take a third "
+                "argument; give loss_fn a key parameter, or call value_and_grad without key"
+            ) from None
+        raise PartitionError(
+            f"loss_fn{signature} is called as loss_fn(params, microbatch), but it needs "
+            "other arguments; if it takes a PRNG key, pass key= to value_and_grad (microbatch "
+            "i gets jax.random.fold_in(key, i)), or bind extra arguments with "
+            "functools.partial"
+        ) from None
 
 
 def _warn_model_sharding(

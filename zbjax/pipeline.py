@@ -419,9 +419,9 @@ class Pipeline:
         if key is not None:
             stacked = (stacked, microbatch_keys(key, m))
         micro = []
-        for leaf in jax.tree.leaves(stacked):
+        for j, leaf in enumerate(jax.tree.leaves(stacked)):
             first = leaf[0]
-            if first.ndim >= 1:  # rows, split over the data-parallel shards
+            if first.ndim >= 1 and j != built.lowering.key_leaf:  # rows, split over the shards
                 first = first[: first.shape[0] // shards]
             micro.append(jax.device_put(first, device))
         param_leaves = [jax.device_put(x, device) for x in jax.tree.leaves(params)]
@@ -721,7 +721,11 @@ class Pipeline:
         programs = split(graph)
         schedule = self._schedule(graph, programs, parted.placement, kind)
         costs = (self.costs or _program_costs(programs)) if self.pack_ticks else None
-        lowering = lower(graph, programs, schedule, self.mesh, self.axis_name, costs, tensor)
+        # The keys are the last batch leaf: (microbatches, keys) flattened.
+        key_leaf = len(graph.batch_avals) - 1 if key_aval is not None else None
+        lowering = lower(
+            graph, programs, schedule, self.mesh, self.axis_name, costs, tensor, key_leaf
+        )
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
         step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
 
