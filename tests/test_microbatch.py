@@ -73,3 +73,28 @@ def test_reference_with_key_averages_microbatches_run_with_fold_in_keys():
     ]
     np.testing.assert_allclose(loss, (parts[0][0] + parts[1][0]) / 2, rtol=1e-6)
     np.testing.assert_allclose(grads["w"], (parts[0][1]["w"] + parts[1][1]["w"]) / 2, rtol=1e-6)
+
+
+def test_reference_with_data_parallel_shards_runs_block_s_with_fold_in_key_i_s():
+    def loss_fn(params, batch, key):
+        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+        return jnp.mean(jnp.where(keep, batch["x"], 0.0) @ params["w"])
+
+    params = {"w": jnp.arange(3.0)}
+    batch = {"x": jax.random.normal(jax.random.key(1), (8, 3))}
+    key = jax.random.key(2)
+    loss, grads = reference_value_and_grad(loss_fn, params, batch, 2, key=key, data_parallel=2)
+    # Microbatch i holds rows 4i..4i+3; its shard s the rows 4i+2s, 4i+2s+1.
+    parts = [
+        jax.value_and_grad(loss_fn)(
+            params,
+            {"x": batch["x"][4 * i + 2 * s : 4 * i + 2 * s + 2]},
+            jax.random.fold_in(jax.random.fold_in(key, i), s),
+        )
+        for i in range(2)
+        for s in range(2)
+    ]
+    np.testing.assert_allclose(loss, sum(p[0] for p in parts) / 4, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], sum(p[1]["w"] for p in parts) / 4, rtol=1e-6)
+    with pytest.raises(PipelineError, match="data_parallel=3 must be at least 1 and divide"):
+        reference_value_and_grad(loss_fn, params, batch, 2, key=key, data_parallel=3)

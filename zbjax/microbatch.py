@@ -80,6 +80,13 @@ def reference_value_and_grad(
     ``loss_fn(params, block_s, jax.random.fold_in(key_i, s))``, the mean over all blocks.
     """
     microbatches = split_microbatches(batch, num_microbatches)
+    rows = {jnp.shape(leaf)[1] for leaf in jax.tree.leaves(microbatches)}
+    if data_parallel < 1 or any(r % data_parallel for r in rows):
+        raise PipelineError(
+            f"data_parallel={data_parallel} must be at least 1 and divide every microbatch's "
+            f"rows ({sorted(rows)} per microbatch); use a batch size that is a multiple of "
+            f"{num_microbatches * max(data_parallel, 1)}"
+        )
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     keys = None if key is None else microbatch_keys(key, num_microbatches)
     value_sum = None
