@@ -611,6 +611,46 @@ def test_params_not_matching_the_traced_structure_show_expected_and_given(mlp_se
         pipe.value_and_grad(wrong, batch)
 
 
+def test_scan_gpt_with_dropout_cut_inside_its_scan_sends_the_layer_keys_as_key_data():
+    # nn.scan splits the dropout key per layer before the scan; cut by iteration, a later
+    # stage receives its layers' keys: typed keys, which messages once could not hold.
+    cfg = dataclasses.replace(GPT_CFG, dropout_rate=0.1)
+    loss_fn = gpt_scan.make_loss_fn(cfg)
+    params = gpt_scan.init_params(jax.random.key(0), cfg)
+    batch = gpt.make_batch(jax.random.key(1), cfg, 8)
+    mesh = jax.make_mesh((2, 2), ("pp", "dp"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-v", num_microbatches=2, num_stages=4)
+    key = jax.random.key(5)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, key, data_parallel=2)
+    assert_close(pipe.value_and_grad(params, batch, key=key), reference)
+    assert any(v.dtype == jnp.uint32 for e in pipe.graph.edges for v in e.values)
+
+
+def remat_dropout_block(w, h, key):
+    h = jnp.tanh(h @ w)
+    return h * jax.random.bernoulli(key, 0.7, h.shape) / 0.7
+
+
+def remat_dropout_loss(params, batch, key):
+    k1, k2 = jax.random.split(key)
+    h = jax.checkpoint(remat_dropout_block)(params["w1"], batch["x"], k1)
+    h = zbjax.stage_boundary(h)
+    h = jax.checkpoint(remat_dropout_block)(params["w2"], h, k2)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
+def test_a_key_kept_for_the_backward_is_stored_as_key_data(schedule):
+    rng = np.random.default_rng(3)
+    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
+    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    loss_fn = remat_dropout_loss
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=2)
+    key = jax.random.key(3)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, key)
+    assert_close(pipe.value_and_grad(params, batch, key=key), reference)
+
+
 def test_batch_leaves_of_different_lengths_are_rejected_under_data_parallelism(mlp_setup):
     # Each data-parallel shard takes a block of every leaf's rows: with 16 inputs and 8
     # targets a shard's 2 inputs would meet 1 target, which broadcasts to a wrong loss.

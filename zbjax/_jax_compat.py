@@ -68,6 +68,12 @@ def ordered_effect_names(jaxpr: Jaxpr) -> list[str]:
     return sorted({type(e).__name__ for e in found})
 
 
+def key_impl(dtype: Any) -> Any:
+    """Returns the PRNG implementation of a typed key dtype (``key<fry>``), which
+    ``jax.random.wrap_key_data(data, impl=...)`` takes."""
+    return dtype._impl
+
+
 def make_closed_jaxpr(
     invars: Sequence[Var],
     outvars: Sequence[Any],

@@ -65,7 +65,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
-from zbjax.stages import Edge, Stage, StageGraph, has_cotangent
+from zbjax.stages import Edge, Stage, StageGraph, has_cotangent, key_data_aval, keys_as_data
 
 #: Automatic cuts may exceed the best achievable maximum stage cost by this fraction when that
 #: lets a cut cross fewer live activation bytes (less to send between devices).
@@ -619,7 +619,8 @@ def _build_graph(
                 received.setdefault((src, stage), []).append(v)
     pairs = sorted(received)
     edges = tuple(
-        Edge(src, dst, tuple(_aval_struct(v) for v in received[(src, dst)])) for src, dst in pairs
+        Edge(src, dst, tuple(key_data_aval(v.aval) for v in received[(src, dst)]))
+        for src, dst in pairs
     )
     stages = []
     for s in range(count):
@@ -639,6 +640,9 @@ def _build_graph(
         )
         body = [eqn for eqn in stage_eqns[s] if not any(eqn is e for e in sliced)]
         closed = _stage_jaxpr(body, invars, outputs, const_value)
+        # A typed PRNG key crossing stages travels as its key data (messages hold numbers).
+        received_at = range(len(invars) - len(inputs), len(invars))
+        closed = keys_as_data(closed, received_at, range(len(outputs) if s < count - 1 else 0))
         stages.append(
             Stage(
                 index=s,

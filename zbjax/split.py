@@ -62,7 +62,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.cost_model import avals_bytes, jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
-from zbjax.stages import Stage, StageGraph, StageProgram, has_cotangent
+from zbjax.stages import Stage, StageGraph, StageProgram, has_cotangent, keys_as_data
 
 
 def split(graph: StageGraph) -> tuple[StageProgram, ...]:
@@ -220,6 +220,16 @@ def split_stage(
         )
         backward_input, backward_weight = _split_backward(backward, len(roles.input_positions))
         backward_weight = vmap_independent_scans(backward_weight)
+        # Residuals and stash live in arenas of numbers: a typed PRNG key among them (a
+        # dropout key F keeps for the backward) is stored as its key data.
+        num_out, num_res = len(stage.jaxpr.out_avals), _num_residuals(forward, stage)
+        num_b_out = len(backward_input.out_avals) - len(backward_weight.in_avals)
+        forward = keys_as_data(forward, (), range(num_out, len(forward.out_avals)))
+        backward = keys_as_data(backward, range(num_res), ())
+        backward_input = keys_as_data(
+            backward_input, range(num_res), range(num_b_out, len(backward_input.out_avals))
+        )
+        backward_weight = keys_as_data(backward_weight, range(len(backward_weight.in_avals)), ())
     residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
     stash_avals = tuple(_sds(a) for a in backward_weight.in_avals)
     num_params = len(stage.param_leaves)

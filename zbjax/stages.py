@@ -37,6 +37,53 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
+
+from zbjax._jax_compat import key_impl
+
+
+def is_key(dtype: Any) -> bool:
+    """Returns whether ``dtype`` is a typed PRNG key's (``jax.random.key``)."""
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def key_data_aval(aval: Any) -> jax.ShapeDtypeStruct:
+    """The aval of ``aval`` as stored or sent between devices: a typed PRNG key as its uint32
+    key data (``jax.random.key_data``: arenas and messages hold numbers), anything else as is."""
+    if not is_key(aval.dtype):
+        weak = getattr(aval, "weak_type", False)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+    shape = tuple(aval.shape) + tuple(key_impl(aval.dtype).key_shape)
+    return jax.ShapeDtypeStruct(shape, jnp.uint32)
+
+
+def keys_as_data(closed: Any, inputs: Sequence[int] | range, outputs: Sequence[int] | range) -> Any:
+    """Returns ``closed`` (a ClosedJaxpr) taking the typed PRNG keys among its ``inputs``
+    positions as key data and returning those among its ``outputs`` as key data; ``closed``
+    itself when it has none there."""
+    wrap = [i for i in inputs if is_key(closed.in_avals[i].dtype)]
+    unwrap = [j for j in outputs if is_key(closed.out_avals[j].dtype)]
+    if not wrap and not unwrap:
+        return closed
+    run_closed = jaxpr_as_fun(closed)
+
+    def run(*args: Any) -> list[Any]:
+        args = list(args)
+        for i in wrap:
+            impl = key_impl(closed.in_avals[i].dtype)
+            args[i] = jax.random.wrap_key_data(args[i], impl=impl)
+        outs = list(run_closed(*args))
+        for j in unwrap:
+            outs[j] = jax.random.key_data(outs[j])
+        return outs
+
+    avals = [
+        key_data_aval(a)
+        if i in wrap
+        else jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for i, a in enumerate(closed.in_avals)
+    ]
+    return jax.make_jaxpr(run)(*avals)
 
 
 def has_cotangent(dtype: Any) -> bool:
