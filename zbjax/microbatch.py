@@ -93,12 +93,12 @@ def reference_value_and_grad(
     grad_sum = None
     for i in range(num_microbatches):
         microbatch = jax.tree.map(lambda leaf, i=i: leaf[i], microbatches)
-        blocks = microbatch if data_parallel == 1 else split_microbatches(microbatch, data_parallel)
+        blocks = split_microbatches(microbatch, data_parallel)
         for s in range(data_parallel):
-            block = blocks if data_parallel == 1 else jax.tree.map(lambda x, s=s: x[s], blocks)
+            block = jax.tree.map(lambda x, s=s: x[s], blocks)
             if keys is None:
                 extra = ()
-            else:
+            else:  # one shard keeps key_i itself, as a pipeline without data axes does
                 extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
             value, grads = value_and_grad(params, block, *extra)
             value_sum = value if value_sum is None else jax.tree.map(jnp.add, value_sum, value)

@@ -230,7 +230,7 @@ def split_stage(
             backward_input, range(num_res), range(num_b_out, len(backward_input.out_avals))
         )
         backward_weight = keys_as_data(backward_weight, range(len(backward_weight.in_avals)), ())
-    residual_avals = tuple(_sds(a) for a in backward.in_avals[: _num_residuals(forward, stage)])
+    residual_avals = tuple(_sds(a) for a in backward.in_avals[:num_res])
     stash_avals = tuple(_sds(a) for a in backward_weight.in_avals)
     num_params = len(stage.param_leaves)
     return StageProgram(

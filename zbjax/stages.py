@@ -47,12 +47,16 @@ def is_key(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
 
 
+def _struct(aval: Any) -> jax.ShapeDtypeStruct:
+    weak = getattr(aval, "weak_type", False)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+
+
 def key_data_aval(aval: Any) -> jax.ShapeDtypeStruct:
     """The aval of ``aval`` as stored or sent between devices: a typed PRNG key as its uint32
     key data (``jax.random.key_data``: arenas and messages hold numbers), anything else as is."""
     if not is_key(aval.dtype):
-        weak = getattr(aval, "weak_type", False)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
+        return _struct(aval)
     shape = tuple(aval.shape) + tuple(key_impl(aval.dtype).key_shape)
     return jax.ShapeDtypeStruct(shape, jnp.uint32)
 
@@ -77,12 +81,7 @@ def keys_as_data(closed: Any, inputs: Sequence[int] | range, outputs: Sequence[i
             outs[j] = jax.random.key_data(outs[j])
         return outs
 
-    avals = [
-        key_data_aval(a)
-        if i in wrap
-        else jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-        for i, a in enumerate(closed.in_avals)
-    ]
+    avals = [key_data_aval(a) if i in wrap else _struct(a) for i, a in enumerate(closed.in_avals)]
     return jax.make_jaxpr(run)(*avals)
 
 
