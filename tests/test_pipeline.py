@@ -690,6 +690,33 @@ def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_
         pipe.value_and_grad(params, {**batch, "t": 1.0})
 
 
+def test_integer_params_get_zero_gradients_of_their_own_dtype_under_data_parallelism():
+    # An integer leaf (a step count, a lookup table) is not differentiated: its gradient is
+    # zeros of its dtype, staged or not. The data-parallel mean once made those rows float32
+    # while the staged grads still said int32.
+    rng = np.random.default_rng(2)
+    floats = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2)), "scale": 0.5}
+    params = {**floats, "n": jnp.array(3), "table": jnp.arange(4, dtype=jnp.int8)}
+    batch = {"x": rng.normal(size=(16, 4)), "y": rng.normal(size=(16, 2))}
+
+    def loss_fn(params, batch):
+        scaled = {**params, "scale": params["scale"] * params["n"]}
+        return scalar_loss(scaled, batch) + jnp.sum(params["table"]) * 1e-3
+
+    mesh = jax.make_mesh((2, 2), ("pp", "dp"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    ref_loss, ref_grads = jax.value_and_grad(lambda f: loss_fn({**params, **f}, batch))(floats)
+    for given in (params, pipe.stage(params, batch)):
+        loss, grads = pipe.value_and_grad(given, batch)
+        if isinstance(grads, zbjax.StagedParams):
+            assert [str(r.dtype) for r in grads.rows] == list(grads.dtypes)
+            grads = pipe.unstage(grads)
+        for name in ("n", "table"):
+            assert grads[name].dtype == params[name].dtype
+            np.testing.assert_array_equal(grads[name], 0)
+        assert_close((loss, {k: grads[k] for k in floats}), (ref_loss, ref_grads))
+
+
 def callback_loss(params, batch, seen=None):
     h = jnp.tanh(batch["x"] @ params["w1"])
     jax.debug.callback(lambda v: seen.append(("s0", np.asarray(v))), jnp.sum(h * h, axis=1))

@@ -1358,7 +1358,11 @@ def _run(
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
             loss = jax.lax.pmean(loss, data_axes)
-            grads = [jax.lax.pmean(g, data_axes) for g in grads]
+            # Integer params' gradients are zeros of their dtype (pmean would make them float).
+            grads = [
+                jax.lax.pmean(g, data_axes) if jnp.issubdtype(g.dtype, jnp.inexact) else g
+                for g in grads
+            ]
         # Every copy of a tied leaf gets the leaf's whole gradient; the rest stay where they are.
         grads = sum_shared_gradients(low.layout, grads, axis)
         pools = [b for buffer in arena_bufs for b in buffer]
