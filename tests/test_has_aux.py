@@ -11,7 +11,7 @@ import pytest
 
 import zbjax
 from models import gpt
-from zbjax.errors import PartitionError
+from zbjax.errors import PartitionError, PipelineError
 from zbjax.executor import run_schedule
 from zbjax.microbatch import reference_value_and_grad
 
@@ -121,6 +121,14 @@ def test_aux_errors_name_the_problem_and_the_fix():
     counts = lambda p, b: (loss_fn(p, b)[0], {"n": jnp.sum(b["tokens"] > 0)})  # noqa: E731
     with pytest.raises(PartitionError, match=r"aux leaf \['n'\] is int32\[\].*floating"):
         zbjax.pipeline(counts, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+            params, batch
+        )
+    # Per-example values follow the batch's rows: no mean over microbatches gives them.
+    rows = lambda p, b: (loss_fn(p, b)[0], {"first": b["tokens"][:, 0] * 1.0})  # noqa: E731
+    with pytest.raises(
+        PipelineError, match=r"aux leaf \['first'\] has shape \[\d+\] for the whole"
+    ):
+        zbjax.pipeline(rows, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
 

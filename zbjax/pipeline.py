@@ -656,7 +656,10 @@ class Pipeline:
             # Shapes decide the build, so a batch of known shapes needs no checking again
             # (tracing the microbatch split costs milliseconds of every step otherwise).
             micro = self._microbatch_avals(batch)
-            self._built[cache_key] = self._build(params_avals, micro, key_aval)
+            built = self._build(params_avals, micro, key_aval)
+            if self.has_aux:
+                self._check_aux_rows(built.graph, params_avals, _avals(batch), key_aval)
+            self._built[cache_key] = built
         built = self._built[cache_key]
         if self._last is not None and self._last.lowering.layout != built.lowering.layout:
             raise PipelineError(
@@ -668,6 +671,38 @@ class Pipeline:
         # Avals, not values: under a user's jit these are tracers that must not outlive it.
         self._last_inputs = _avals((params, batch, key))
         return built
+
+    def _check_aux_rows(
+        self, graph: StageGraph, params_avals: Any, batch_avals: Any, key_aval: Any
+    ) -> None:
+        """Raises PipelineError naming an aux leaf whose shape follows the batch's rows.
+
+        The pipeline returns each aux leaf's mean over the microbatches (and data-parallel
+        shards), which has the shape the leaf has for one shard of a microbatch. An aux of
+        per-example values (predictions, a per-row loss) has more rows for the whole batch,
+        and no mean of the parts is what ``jax.value_and_grad`` of the unpipelined loss
+        returns, so it is refused rather than returned wrong.
+        """
+
+        def whole(params, batch, key):
+            out = self.loss_fn(params, batch) if key is None else self.loss_fn(params, batch, key)
+            return out[1]
+
+        whole_aux = jax.eval_shape(whole, params_avals, batch_avals, key_aval)
+        with_paths = jax.tree_util.tree_leaves_with_path(whole_aux)
+        part_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
+        for (path, full), part in zip(with_paths, part_avals, strict=True):
+            if tuple(full.shape) != tuple(part.shape):
+                shards = self.data_parallel_size
+                where = f" on each of {shards} data-parallel shards" if shards > 1 else ""
+                raise PipelineError(
+                    f"aux leaf {jax.tree_util.keystr(path) or '(the aux itself)'} has shape "
+                    f"{list(full.shape)} for the whole batch but {list(part.shape)} for one "
+                    f"microbatch{where}: it follows the batch's rows (per-example values), "
+                    "and the pipeline returns each aux leaf's mean over the microbatches, as "
+                    "it does the loss; reduce it over the rows inside loss_fn (e.g. "
+                    "jnp.mean(x, axis=0)), or compute per-example outputs outside the pipeline"
+                )
 
     def _microbatch_avals(self, batch: Any) -> Any:
         """Returns one microbatch's avals; raises PipelineError when rows do not divide."""
