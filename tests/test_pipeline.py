@@ -588,6 +588,36 @@ def test_mesh_without_the_axis_lists_the_axes(mlp_setup):
         zbjax.pipeline(loss_fn, mesh=mesh, axis_name="pp")
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_microbatches=2.0), r"num_microbatches=2\.0; it must be an int >= 1"),
+        (dict(num_microbatches=True), r"num_microbatches=True; it must be an int"),
+        (dict(num_stages=2.0), r"num_stages=2\.0; it must be an int >= 1"),
+        (dict(num_stages=0), r"num_stages=0; it must be an int >= 1"),
+        (dict(has_aux="no"), r"has_aux='no'; pass True or False"),
+        (dict(keep_buffers="no"), r"keep_buffers='no'; pass True or False"),
+        (dict(pack_ticks=1), r"pack_ticks=1; pass None, True or False"),
+        (dict(mesh=None), r"mesh= is a NoneType, not a jax\.sharding\.Mesh.*jax\.make_mesh"),
+        (dict(loss_fn="loss"), r"loss_fn is a str, not a function"),
+    ],
+)
+def test_bad_arguments_are_rejected_when_the_pipeline_is_built(mlp_setup, kwargs, message):
+    # A float count failed deep in the partitioner, a string flag ("no") counted as True.
+    args = dict(loss_fn=mlp_setup[0], mesh=pp_mesh(2), num_microbatches=2) | kwargs
+    with pytest.raises(zbjax.PipelineError, match=message):
+        zbjax.pipeline(args.pop("loss_fn"), **args)
+
+
+def test_integral_numpy_counts_are_taken_and_a_string_leaf_is_named(mlp_setup):
+    loss_fn, params, batch, reference = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=np.int64(2), num_stages=2)
+    assert pipe.num_microbatches == 2 and type(pipe.num_microbatches) is int
+    assert_close(pipe.value_and_grad(params, batch), reference)
+    with pytest.raises(zbjax.PipelineError, match=r"batch leaf \['name'\] is a str \('x'\)"):
+        pipe.value_and_grad(params, {**batch, "name": "x"})
+
+
 def test_zb_v_without_two_stages_per_device_is_rejected(mlp_setup):
     loss_fn, params, batch, _ = mlp_setup
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-v", num_stages=3)

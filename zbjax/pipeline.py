@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 import statistics
 import tempfile
 import time
@@ -135,8 +136,47 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
 
-def _avals(tree: Any) -> Any:
-    return jax.tree.map(_aval, tree)
+def _avals(tree: Any, what: str = "argument") -> Any:
+    """Returns ``tree`` with each leaf's aval; raises PipelineError naming a leaf (of ``what``:
+    params, batch, key) that JAX cannot take as an array (a string, an arbitrary object)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    avals = []
+    for path, x in leaves:
+        try:
+            avals.append(_aval(x))
+        except TypeError:
+            shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+            raise PipelineError(
+                f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} is "
+                f"a {type(x).__name__} ({shown}), which is not an array: JAX traces arrays and "
+                f"numbers only; take it out of the {what} (close over it in loss_fn or bind it "
+                "with functools.partial), or make it an array"
+            ) from None
+    return jax.tree_util.tree_unflatten(treedef, avals)
+
+
+def _whole_number(name: str, value: Any, at_least: int = 1) -> int:
+    """Returns ``value`` as an int (a Python or NumPy integer, not a bool) or raises
+    PipelineError naming ``name``."""
+    if not isinstance(value, bool | np.bool_):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is not None and number >= at_least:
+            return number
+    raise PipelineError(f"{name}={value!r}; it must be an int >= {at_least}")
+
+
+def _flag(name: str, value: Any, allow_none: bool = False) -> Any:
+    """Returns ``value`` if it is True or False (or None where allowed), else raises
+    PipelineError naming ``name``: a string such as "no" would be truthy."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    shown = "None, True or False" if allow_none else "True or False"
+    raise PipelineError(f"{name}={value!r}; pass {shown}")
 
 
 def _shapes_text(avals: Any) -> str:
@@ -165,14 +205,26 @@ class Pipeline:
         has_aux: bool = False,
         param_specs: Any = None,
     ):
+        if not callable(loss_fn):
+            raise PipelineError(
+                f"loss_fn is a {type(loss_fn).__name__}, not a function; pass the function "
+                "loss_fn(params, batch) -> scalar loss as zbjax.pipeline's first argument"
+            )
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise PipelineError(
+                f"mesh= is a {type(mesh).__name__}, not a jax.sharding.Mesh; build one whose "
+                f"axes name the pipeline axis, e.g. jax.make_mesh((num_devices,), "
+                f"({axis_name!r},))"
+            )
         if axis_name not in mesh.axis_names:
             raise PipelineError(
                 f"mesh has axes {tuple(mesh.axis_names)} but no axis named {axis_name!r}; "
                 f"pass axis_name= one of {tuple(mesh.axis_names)} or build the mesh with a "
                 f"{axis_name!r} axis"
             )
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise PipelineError(f"num_microbatches={num_microbatches!r}; it must be an int >= 1")
+        num_microbatches = _whole_number("num_microbatches", num_microbatches)
+        if num_stages is not None:
+            num_stages = _whole_number("num_stages", num_stages)
         names = schedules.SCHEDULE_NAMES + schedules.DAG_SCHEDULE_NAMES
         if isinstance(schedule, str) and schedule not in names:
             raise ScheduleError(
@@ -197,7 +249,7 @@ class Pipeline:
                 "leave placement=None (a prebuilt Schedule carries its own placement)"
             )
         self.loss_fn = loss_fn
-        self.has_aux = bool(has_aux)
+        self.has_aux = _flag("has_aux", has_aux)
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_devices = int(mesh.shape[axis_name])
@@ -215,9 +267,8 @@ class Pipeline:
         self.placement = None if placement is None else tuple(int(d) for d in placement)
         if keep_buffers is None:
             keep_buffers = all(d.platform == "cpu" for d in np.ravel(mesh.devices))
-        self.keep_buffers = bool(keep_buffers)
-        if pack_ticks not in (None, True, False):
-            raise PipelineError(f"pack_ticks={pack_ticks!r}; pass None, True or False")
+        self.keep_buffers = _flag("keep_buffers", keep_buffers)
+        pack_ticks = _flag("pack_ticks", pack_ticks, allow_none=True)
         # By default ticks are packed only by costs the user measured: the static estimates can be
         # far off on small stages (2-core CPU demo GPT: 5.6% slower packed by them).
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
@@ -614,7 +665,7 @@ class Pipeline:
 
     def _check_params(self, params: Any) -> list:
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        avals = tuple(_aval(x) for x in leaves)
+        avals = tuple(jax.tree.leaves(_avals(params, "params")))
         if self._params_treedef is None:
             self._params_treedef, self._params_avals = treedef, avals
         elif treedef != self._params_treedef or avals != self._params_avals:
@@ -645,11 +696,12 @@ class Pipeline:
             params_avals = jax.tree_util.tree_unflatten(self._params_treedef, self._params_avals)
         else:
             self._check_params(params)
-            params_avals = _avals(params)
-        key_aval = None if key is None else _aval(key)
+            params_avals = _avals(params, "params")
+        key_aval = None if key is None else _avals(key, "key")
+        batch_avals = _avals(batch, "batch")
         cache_key = (
             jax.tree_util.tree_structure(batch),
-            tuple(jax.tree.leaves(_avals(batch))),
+            tuple(jax.tree.leaves(batch_avals)),
             None if key_aval is None else (key_aval.shape, str(key_aval.dtype)),
         )
         if cache_key not in self._built:
@@ -658,7 +710,7 @@ class Pipeline:
             micro = self._microbatch_avals(batch)
             built = self._build(params_avals, micro, key_aval)
             if self.has_aux:
-                self._check_aux_rows(built.graph, params_avals, _avals(batch), key_aval)
+                self._check_aux_rows(built.graph, params_avals, batch_avals, key_aval)
             self._built[cache_key] = built
         built = self._built[cache_key]
         if self._last is not None and self._last.lowering.layout != built.lowering.layout:
