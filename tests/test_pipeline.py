@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zbjax
 from models import gpt, gpt_scan, mlp
@@ -809,3 +811,22 @@ def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):
     unstaged = jax.tree.leaves(pipe.unstage(staged))
     for got, want in zip(unstaged, jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_staged_params_restored_in_a_new_pipeline_run_after_staging_their_shapes(mlp_setup):
+    # Resuming from a checkpoint of staged rows: a new pipeline (a new process) has no user
+    # params to stage, only their shapes, which give the rows' shapes and shardings and build it.
+    loss_fn, params, batch, reference = mlp_setup
+    saved = jax.tree.map(np.asarray, zbjax.pipeline(loss_fn, mesh=pp_mesh(2)).stage(params, batch))
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2))
+    with pytest.raises(zbjax.PipelineError, match=r"value_and_grad with staged params needs"):
+        pipe.value_and_grad(saved, batch)
+    shapes = jax.eval_shape(lambda: (params, batch))
+    target = pipe.stage(*shapes)
+    assert [(r.shape, r.dtype) for r in target.rows] == [(r.shape, r.dtype) for r in saved.rows]
+    staged = pipe.stage(params)
+    assert [r.sharding for r in target.rows] == [r.sharding for r in staged.rows]
+    assert target.rows[0].sharding.is_equivalent_to(NamedSharding(pipe.mesh, P("pp")), 2)
+    restored = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), saved, target)
+    loss, grads = pipe.value_and_grad(restored, batch)
+    assert_close((loss, pipe.unstage(grads)), reference)

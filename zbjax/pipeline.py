@@ -490,14 +490,23 @@ class Pipeline:
 
         The layout comes from the traced program. Before the first ``value_and_grad`` call,
         pass an example ``batch`` (and ``key``, if ``loss_fn`` takes one) so the pipeline can be
-        built from its shapes; nothing is compiled.
+        built from its shapes; nothing is compiled. Params and batch given as
+        ``jax.ShapeDtypeStruct``s (their shapes only) give the staged rows' shapes and
+        shardings, as ``jax.eval_shape`` would, e.g. the target for restoring a checkpoint of
+        staged params, and build the pipeline so that the restored rows can run.
         """
         if self._last is None and batch is not None:
             self._get(params, batch, key)
-        built = self._require_built("stage")
+        built = self._require_built("pipe.stage()")
         leaves = self._check_params(params)
-        staged = stage_leaves(built.lowering.layout, leaves)
+        layout = built.lowering.layout
         sharding = NamedSharding(self.mesh, self._rows_spec())
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            shapes = jax.eval_shape(lambda values: stage_leaves(layout, values), leaves)
+            return jax.tree.map(
+                lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding), shapes
+            )
+        staged = stage_leaves(layout, leaves)
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
 
     def _rows_spec(self) -> PartitionSpec:
@@ -507,7 +516,7 @@ class Pipeline:
 
     def unstage(self, staged: StagedParams) -> Any:
         """Returns the user-layout params (or, for grads, use ``value_and_grad``) of ``staged``."""
-        built = self._require_built("unstage")
+        built = self._require_built("pipe.unstage()")
         self._check_staged(staged, built)
         leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
         return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
@@ -524,7 +533,7 @@ class Pipeline:
             leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
             leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
             return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
-        built = self._require_built("global_norm")
+        built = self._require_built("pipe.global_norm() of staged values")
         self._check_staged(tree, built)
         return global_norm(built.lowering.layout, tree)
 
@@ -564,19 +573,19 @@ class Pipeline:
         """
 
         def layout():
-            return self._require_built("per_leaf").lowering.layout, self._params_treedef
+            return self._require_built("pipe.per_leaf(tx)").lowering.layout, self._params_treedef
 
         return per_leaf(tx, layout=layout, mesh=self.mesh, axis=self.axis_name)
 
     @property
     def graph(self) -> StageGraph:
         """Returns the stage graph of the latest build (after the first call)."""
-        return self._require_built("graph").graph
+        return self._require_built("pipe.graph").graph
 
     @property
     def programs(self) -> tuple[StageProgram, ...]:
         """Returns the F/B/W/BW stage programs of the latest build."""
-        return self._require_built("programs").programs
+        return self._require_built("pipe.programs").programs
 
     @property
     def partitioner_used(self) -> str:
@@ -585,17 +594,17 @@ class Pipeline:
         One of "markers", "chain", "graph"; or "auto" when ``num_stages`` was given with the
         default partitioner (then markers cut when there are any, else a chain of that many).
         """
-        return self._require_built("partitioner_used").partitioner
+        return self._require_built("pipe.partitioner_used").partitioner
 
     @property
     def schedule(self) -> Schedule:
         """Returns the schedule the latest build runs."""
-        return self._require_built("schedule").schedule
+        return self._require_built("pipe.schedule").schedule
 
     @property
     def lowering(self) -> Lowering:
         """Returns the latest build's lowering: tick tables, staged layout, slot sizes."""
-        return self._require_built("lowering").lowering
+        return self._require_built("pipe.lowering").lowering
 
     def report(self, compiled: jax.stages.Compiled | None = None) -> str:
         """Returns stages, schedule grid, simulated bubble rate and compiled per-device memory.
@@ -604,7 +613,7 @@ class Pipeline:
         given; else the step is compiled again for the latest call's shapes (without their
         shardings, so it is a compile of its own).
         """
-        built = self._require_built("report")
+        built = self._require_built("pipe.report()")
         low = built.lowering
         costs = _program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
@@ -657,9 +666,10 @@ class Pipeline:
     def _require_built(self, what: str) -> _Built:
         if self._last is None:
             raise PipelineError(
-                f"pipe.{what}() needs the traced program, which is built on the first call; "
+                f"{what} needs the traced program, which is built on the first call; "
                 "call pipe.value_and_grad(params, batch) first, or pass an example batch: "
-                "pipe.stage(params, batch)"
+                "pipe.stage(params, batch) (params and batch may be jax.ShapeDtypeStructs, e.g. "
+                "to run staged params restored from a checkpoint in a new process)"
             )
         return self._last
 
@@ -691,7 +701,7 @@ class Pipeline:
 
     def _get(self, params: Any, batch: Any, key: Any) -> _Built:
         if isinstance(params, StagedParams):
-            built = self._require_built("value_and_grad with staged params")
+            built = self._require_built("pipe.value_and_grad with staged params")
             self._check_staged(params, built)
             params_avals = jax.tree_util.tree_unflatten(self._params_treedef, self._params_avals)
         else:
