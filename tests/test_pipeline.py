@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import re
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -692,6 +693,20 @@ def test_batch_leaves_of_different_lengths_are_rejected_under_data_parallelism(m
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
     with pytest.raises(zbjax.PipelineError, match=r"different numbers of rows.*\['y'\]: 4"):
         pipe.value_and_grad(params, short)
+
+
+def test_batch_leaves_of_different_lengths_warn_that_a_constant_would_be_split(mlp_setup):
+    # A per-step table passed in the batch (8 rows beside 16 examples) is split into the
+    # microbatches like the examples, which the unpipelined loss never does: a warning names
+    # the leaves, pointing at the user's line. Leaves of one length do not warn.
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    with pytest.warns(UserWarning, match=r"different numbers of rows.*\['table'\]: 4") as seen:
+        pipe.value_and_grad(params, {**batch, "table": jnp.ones(8)})
+    assert seen[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.value_and_grad(params, batch)
 
 
 def scalar_loss(params, batch):

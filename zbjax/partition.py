@@ -362,11 +362,11 @@ def _warn_model_sharding(
             "microbatch's rows. For tensor parallelism inside each stage, pass "
             "zbjax.pipeline(..., param_specs=...) with a PartitionSpec per param leaf. Remove "
             "the annotations, or build the mesh without those axes, to silence this warning",
-            stacklevel=_caller_stacklevel(),
+            stacklevel=caller_stacklevel(),
         )
 
 
-def _caller_stacklevel() -> int:
+def caller_stacklevel() -> int:
     """Returns the ``stacklevel`` of the innermost frame outside zbjax (and JAX's tracing)
     that led here, so that a warning names the user's line."""
     package = os.path.dirname(os.path.abspath(__file__))

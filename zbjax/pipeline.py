@@ -49,6 +49,7 @@ import operator
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,7 +70,7 @@ from zbjax.params import (
     stage_leaves,
     unstage_leaves,
 )
-from zbjax.partition import partition, stage_summary
+from zbjax.partition import caller_stacklevel, partition, stage_summary
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
@@ -782,6 +783,18 @@ class Pipeline:
                 f"{self.data_axes} would split them at different places; give every batch "
                 "leaf the same leading (batch) size, or pass per-step constants through params "
                 "or a closure instead"
+            )
+        if len(set(counts.values())) > 1:
+            # Legitimate (a flattened per-token leaf beside a [batch, seq] one), but a
+            # per-step constant passed in the batch would be split up just the same.
+            listed = ", ".join(f"{name}: {rows}" for name, rows in counts.items())
+            warnings.warn(
+                f"batch leaves have different numbers of rows per microbatch ({listed}); "
+                f"each leaf is split along axis 0 into {self.num_microbatches} microbatches, "
+                "so a leaf that is not per-example (a lookup table, a per-step constant) is "
+                "split up too; pass such values through params or a closure, or give every "
+                "batch leaf the same leading (batch) size to silence this warning",
+                stacklevel=caller_stacklevel(),
             )
         micro = []
         for path, a in leaves:
