@@ -814,6 +814,14 @@ def test_a_key_the_loss_cannot_take_or_a_missing_one_names_the_fix(mlp_setup):
     needs_key = zbjax.pipeline(lambda p, b, k: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2)
     with pytest.raises(zbjax.PartitionError, match="pass key= to value_and_grad"):
         needs_key.value_and_grad(params, batch)
+    # Split keys or key-shaped numbers are not one key (JAX failed inside fold_in).
+    for bad, shown in [
+        (jax.random.split(jax.random.key(0)), r"key<fry>\[2\]"),
+        (jnp.ones(2), r"float32\[2\]"),
+        (jnp.zeros(4, jnp.uint32), r"uint32\[4\]"),
+    ]:
+        with pytest.raises(zbjax.PipelineError, match=f"key is {shown}; pass one PRNG key"):
+            needs_key.value_and_grad(params, batch, key=bad)
 
 
 def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):

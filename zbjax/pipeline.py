@@ -156,6 +156,25 @@ def _avals(tree: Any, what: str = "argument") -> Any:
     return jax.tree_util.tree_unflatten(treedef, avals)
 
 
+def _check_key(aval: Any) -> None:
+    """Raises PipelineError unless ``aval`` is one PRNG key: a typed key of shape () or a raw
+    uint32 key of the default implementation's shape (``jax.random.PRNGKey``)."""
+    if not isinstance(aval, jax.ShapeDtypeStruct):  # a pytree of keys
+        ok = False
+    elif jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        ok = aval.shape == ()
+    else:
+        raw = jax.eval_shape(jax.random.PRNGKey, 0)
+        ok = aval.dtype == raw.dtype and aval.shape == raw.shape
+    if not ok:
+        got = _shapes_text([aval]) if isinstance(aval, jax.ShapeDtypeStruct) else repr(aval)
+        raise PipelineError(
+            f"key is {got}; pass one PRNG key, jax.random.key(seed) or "
+            "jax.random.PRNGKey(seed) (microbatch i gets jax.random.fold_in(key, i)); for "
+            "several random streams, split the key inside loss_fn"
+        )
+
+
 def _whole_number(name: str, value: Any, at_least: int = 1) -> int:
     """Returns ``value`` as an int (a Python or NumPy integer, not a bool) or raises
     PipelineError naming ``name``."""
@@ -709,6 +728,8 @@ class Pipeline:
             self._check_params(params)
             params_avals = _avals(params, "params")
         key_aval = None if key is None else _avals(key, "key")
+        if key_aval is not None:
+            _check_key(key_aval)
         batch_avals = _avals(batch, "batch")
         cache_key = (
             jax.tree_util.tree_structure(batch),
