@@ -794,21 +794,20 @@ class Pipeline:
         shards = self.data_parallel_size
         leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
         counts = {jax.tree_util.keystr(path): a.shape[1] for path, a in leaves}
-        if shards > 1 and len(set(counts.values())) > 1:
-            # Each data-parallel shard takes its own block of every leaf's rows, so leaves of
-            # different lengths would pair rows that the unpipelined loss never pairs.
-            listed = ", ".join(f"{name}: {rows}" for name, rows in counts.items())
-            raise PipelineError(
-                "batch leaves have different numbers of rows per microbatch "
-                f"({listed}), so the {shards} data-parallel shards of mesh axes "
-                f"{self.data_axes} would split them at different places; give every batch "
-                "leaf the same leading (batch) size, or pass per-step constants through params "
-                "or a closure instead"
-            )
         if len(set(counts.values())) > 1:
+            listed = ", ".join(f"{name}: {rows}" for name, rows in counts.items())
+            if shards > 1:
+                # Each data-parallel shard takes its own block of every leaf's rows, so leaves
+                # of different lengths would pair rows that the unpipelined loss never pairs.
+                raise PipelineError(
+                    f"batch leaves have different numbers of rows per microbatch ({listed}), "
+                    f"so the {shards} data-parallel shards of mesh axes {self.data_axes} would "
+                    "split them at different places; give every batch leaf the same leading "
+                    "(batch) size, or pass per-step constants through params or a closure "
+                    "instead"
+                )
             # Legitimate (a flattened per-token leaf beside a [batch, seq] one), but a
             # per-step constant passed in the batch would be split up just the same.
-            listed = ", ".join(f"{name}: {rows}" for name, rows in counts.items())
             warnings.warn(
                 f"batch leaves have different numbers of rows per microbatch ({listed}); "
                 f"each leaf is split along axis 0 into {self.num_microbatches} microbatches, "
