@@ -170,9 +170,38 @@ def test_a_learning_rate_schedule_runs_inside_per_leaf_and_a_closure_over_the_st
         step(staged, grads, state, outer)
 
 
-def _step(tx, params, grads, state):
-    updates, state = tx.update(grads, state, params)
+def _step(tx, params, grads, state, **extra_args):
+    updates, state = tx.update(grads, state, params, **extra_args)
     return optax.apply_updates(params, updates), state
+
+
+def test_extra_arguments_such_as_the_loss_value_reach_the_transformation_inside_per_leaf(
+    tied_case,
+):
+    # reduce_on_plateau reads update(..., value=loss); per_leaf's update took no extra
+    # arguments (a TypeError from zbjax's closure). Every device gets the value whole.
+    pipe, params, staged, grads, ref_grads = tied_case
+
+    def make():
+        plateau = optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0)
+        return optax.chain(optax.adamw(1e-2, weight_decay=0.5, mask=decay_mask), plateau)
+
+    step = jax.jit(lambda p, g, s, v, tx: _step(tx, p, g, s, value=v), static_argnums=4)
+    tx, inner = pipe.per_leaf(make()), make()
+    got, state = staged, tx.init(staged)
+    want, ref_state = params, inner.init(params)
+    for value in (1.0, 1.0, 1.0, 0.5):  # a plateau: the learning rate halves on the way
+        got, state = step(got, grads, state, jnp.float32(value), tx)
+        want, ref_state = _step(inner, want, ref_grads, ref_state, value=jnp.float32(value))
+    assert float(ref_state[1].scale) < 1.0
+    for row, want_row in zip(got.rows, pipe.stage(want).rows, strict=True):
+        np.testing.assert_allclose(row, want_row, rtol=1e-5, atol=1e-6)
+    # Eagerly, and a transformation that takes no extra arguments ignores them.
+    sgd = pipe.per_leaf(optax.sgd(0.1))
+    updates, _ = sgd.update(grads, sgd.init(staged), staged, value=jnp.float32(2.0))
+    expected, _ = optax.sgd(0.1).update(ref_grads, optax.sgd(0.1).init(params), params)
+    for row, want_row in zip(updates.rows, pipe.stage(expected).rows, strict=True):
+        np.testing.assert_allclose(row, want_row, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------- views of one device's row

@@ -328,6 +328,9 @@ def per_leaf(
     """
     import optax
 
+    # Extra arguments (``value=loss`` for reduce_on_plateau, polyak_sgd) reach ``tx`` on
+    # every device; a transformation that takes none ignores them, as optax.chain does.
+    tx = optax.with_extra_args_support(tx)
     spec = PartitionSpec(axis)
 
     def check(params: Any, what: str) -> tuple[StagedLayout, Any]:
@@ -360,9 +363,17 @@ def per_leaf(
         return staged_layout, treedef, views, states
 
     def run(
-        body: Callable, args: Sequence[Any], num_out: Sequence[int], tensor_axis: str | None
+        body: Callable,
+        args: Sequence[Any],
+        num_out: Sequence[int],
+        tensor_axis: str | None,
+        replicated: Any = (),
     ) -> Any:
-        specs = jax.tree.map(lambda _: spec, args)
+        """Runs ``body`` per device on ``args`` (staged rows, split by device) and then
+        ``replicated`` (a pytree every device gets whole)."""
+        whole = jax.tree.map(lambda _: PartitionSpec(), replicated)
+        specs = (*jax.tree.map(lambda _: spec, tuple(args)), whole)
+        args = (*args, replicated)
         fn = shard_map(
             body,
             mesh=mesh,
@@ -392,7 +403,7 @@ def per_leaf(
     def init(params: StagedParams) -> StagedState:
         staged_layout, treedef, views, states = setup(params, "init")
 
-        def body(param_rows):
+        def body(param_rows, _):
             def branch(d):
                 def on_device(rows):
                     leaves = unpack_views(staged_layout, views[d], rows)
@@ -408,7 +419,12 @@ def per_leaf(
         (rows,) = run(body, (list(params.rows),), (len(states.dtypes),), staged_layout.tensor_axis)
         return StagedState(rows, states.dtypes)
 
-    def update(updates: StagedParams, state: StagedState, params: StagedParams | None = None):
+    def update(
+        updates: StagedParams,
+        state: StagedState,
+        params: StagedParams | None = None,
+        **extra_args: Any,
+    ):
         staged_layout, treedef, views, states = setup(updates, "update")
         sizes = tuple(np.shape(r)[-1] for r in getattr(state, "rows", ()))
         widths = tuple(states.row_width(k) for k in range(len(states.dtypes)))
@@ -421,7 +437,7 @@ def per_leaf(
         if with_params:
             check(params, "update")
 
-        def body(grad_rows, state_rows, param_rows):
+        def body(grad_rows, state_rows, param_rows, extra):
             def branch(d):
                 def on_device(grads, st, ps):
                     def tree(rows):
@@ -429,7 +445,10 @@ def per_leaf(
                         return jax.tree_util.tree_unflatten(treedef, leaves)
 
                     new, new_state = tx.update(
-                        tree(grads), states.unpack(d, st), tree(ps) if with_params else None
+                        tree(grads),
+                        states.unpack(d, st),
+                        tree(ps) if with_params else None,
+                        **extra,
                     )
                     try:  # the subtree at each leaf: None where the device holds none
                         flat = treedef.flatten_up_to(new)
@@ -454,7 +473,8 @@ def per_leaf(
             (list(updates.rows), list(state.rows), param_rows),
             (len(staged_layout.dtypes), len(states.dtypes)),
             staged_layout.tensor_axis,
+            extra_args,
         )
         return StagedParams(new, updates.dtypes), StagedState(new_state, states.dtypes)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
