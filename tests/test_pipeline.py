@@ -822,6 +822,12 @@ def test_a_key_the_loss_cannot_take_or_a_missing_one_names_the_fix(mlp_setup):
     ]:
         with pytest.raises(zbjax.PipelineError, match=f"key is {shown}; pass one PRNG key"):
             needs_key.value_and_grad(params, batch, key=bad)
+    # A key among the params (nnx.split(model) keeps a Dropout's RNG state): JAX's grad
+    # refuses it; zbjax failed packing it into a row.
+    with_rng = {"model": params, "rng": jax.random.key(1)}
+    pipe = zbjax.pipeline(lambda p, b: loss_fn(p["model"], b), mesh=pp_mesh(2), num_microbatches=2)
+    with pytest.raises(zbjax.PipelineError, match=r"params leaf \['rng'\] is a PRNG key.*key="):
+        pipe.value_and_grad(with_rng, batch)
 
 
 def test_stage_with_an_example_batch_builds_without_a_first_step(mlp_setup):

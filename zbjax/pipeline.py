@@ -695,7 +695,17 @@ class Pipeline:
 
     def _check_params(self, params: Any) -> list:
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        avals = tuple(jax.tree.leaves(_avals(params, "params")))
+        with_paths = jax.tree_util.tree_leaves_with_path(_avals(params, "params"))
+        for path, aval in with_paths:
+            if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+                raise PipelineError(
+                    f"params leaf {jax.tree_util.keystr(path)} is a PRNG key "
+                    f"({_shapes_text([aval])}), which jax.value_and_grad cannot take as a "
+                    "param either; pass the key as pipe.value_and_grad(params, batch, key=key) "
+                    "(loss_fn(params, microbatch, key_i) gets fold_in(key, i)), and keep RNG "
+                    "state out of the params (e.g. nnx.split(model, nnx.Param, ...))"
+                )
+        avals = tuple(aval for _, aval in with_paths)
         if self._params_treedef is None:
             self._params_treedef, self._params_avals = treedef, avals
         elif treedef != self._params_treedef or avals != self._params_avals:
