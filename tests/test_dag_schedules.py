@@ -141,6 +141,33 @@ def test_dag_zb_uses_the_given_costs():
     assert _measures(zb, costs)[0] < _measures(one, costs)[0]
 
 
+def test_dag_zb_runs_fused_backwards_when_the_costs_say_the_split_does_not_pay():
+    # Measured costs carry the fused backward's time (pipe.measure_costs); below B + W every
+    # split candidate was slower than dag-1f1b's bound, and dag-zb raised about a mem_limit
+    # nobody gave.
+    for bw in (1.2, 1.5, 1.9):
+        costs = Costs(f=1.0, b=1.0, w=1.0, bw=bw)
+        for m in (4, 8):
+            zb = dag_zb(DIAMOND, (0, 1, 2, 3), m, costs=costs)
+            one = dag_1f1b(DIAMOND, (0, 1, 2, 3), m)
+            assert _measures(zb, costs) <= _measures(one, costs)
+            assert max(peak_memory(zb)) <= max(peak_memory(one))
+    # Where B + W costs what BW does, the split still wins (the fused order loses ties).
+    zb = dag_zb(DIAMOND, (0, 1, 2, 3), 8, costs=Costs(f=1.0, b=1.0, w=1.0, bw=2.0))
+    assert all(a.kind != "BW" for program in zb.actions for a in program)
+
+
+def test_dag_zb_within_a_tight_limit_when_a_device_holds_two_stages_of_a_path():
+    # Device 0 holds stages 0 and 3: one microbatch at a time needs 2 M_B there; the list
+    # scheduler found no order under dag-1f1b's peak (4) and every limit below it raised.
+    placement = (0, 1, 1, 0)
+    for limit in (2.0, 3.0, 3.5):
+        zb = validate(dag_zb(DIAMOND, placement, 4, mem_limit=limit))
+        assert max(peak_memory(zb)) <= limit
+    with pytest.raises(ScheduleError, match=r"needs 2 M_B on device 0 \(stages \[0, 3\].*least 2"):
+        dag_zb(DIAMOND, placement, 4, mem_limit=1.5)
+
+
 def test_build_registers_dag_schedules():
     one = build("dag-1f1b", 4, 8, edges=DIAMOND, placement=(0, 1, 2, 3))
     zb = build("dag-zb", 4, 8, edges=DIAMOND, placement=(0, 1, 2, 3), costs=UNIT)
