@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -134,6 +135,16 @@ def test_costs_reject_wrong_lengths_negative_and_nan():
         Costs(comm=-0.5)
     with pytest.raises(ScheduleError, match="costs.comm_message = nan"):
         Costs(comm_message=math.nan)
+    # Infinite costs simulate to nothing useful; NumPy numbers are numbers.
+    with pytest.raises(ScheduleError, match="costs.f = inf is negative, infinite"):
+        Costs(f=math.inf).per_stage(1)
+    with pytest.raises(ScheduleError, match="costs.comm = inf"):
+        Costs(comm=math.inf)
+    with pytest.raises(ScheduleError, match="costs.f = 'x' is not a number"):
+        Costs(f="x")
+    numpy_costs = Costs(f=np.float32(0.5), b=np.int64(2), w=np.array([1, 2]), comm=np.float64(1))
+    assert numpy_costs == Costs(f=0.5, b=2.0, w=(1.0, 2.0), comm=1.0)
+    assert numpy_costs.per_stage(2) == ((0.5, 0.5), (2.0, 2.0), (1.0, 2.0))
 
 
 def test_an_exchange_costs_comm_plus_comm_message_per_further_message():

@@ -9,9 +9,12 @@ unless the model branches) and, per device, the ordered list of actions that dev
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from zbjax.errors import ScheduleError
 
@@ -163,8 +166,10 @@ def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tu
                 f"give one cost per stage or a single number"
             )
     for v in values:
-        if not v >= 0 or v != v:
-            raise ScheduleError(f"costs.{name} = {v} is negative or NaN; costs must be >= 0")
+        if not 0 <= v < math.inf:
+            raise ScheduleError(
+                f"costs.{name} = {v} is negative, infinite or NaN; costs must be finite and >= 0"
+            )
     return values
 
 
@@ -207,14 +212,29 @@ class Costs:
     comm_message: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "bw"):
+        for name in ("f", "b", "w", "bw", "comm", "comm_message"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, int | float):
-                object.__setattr__(self, name, tuple(float(v) for v in value))
-        for name in ("comm", "comm_message"):
-            if not getattr(self, name) >= 0:
+            if value is None:
+                continue
+            try:  # NumPy scalars and 0-d arrays are numbers; sequences are per stage
+                number = float(value) if np.ndim(value) == 0 else None
+            except (TypeError, ValueError):
+                number = None
+            if number is None and name in ("comm", "comm_message"):
+                raise ScheduleError(f"costs.{name} = {value!r} is not a number")
+            try:
+                converted = number if number is not None else tuple(float(v) for v in value)
+            except (TypeError, ValueError):
                 raise ScheduleError(
-                    f"costs.{name} = {getattr(self, name)} is negative (or NaN); it must be >= 0"
+                    f"costs.{name} = {value!r} is not a number or a sequence of numbers "
+                    "(one per stage)"
+                ) from None
+            object.__setattr__(self, name, converted)
+        for name in ("comm", "comm_message"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ScheduleError(
+                    f"costs.{name} = {getattr(self, name)} is negative, infinite or NaN; it "
+                    "must be finite and >= 0"
                 )
 
     def exchange(self, messages: int) -> float:
