@@ -1,5 +1,6 @@
 """dag-1f1b and dag-zb: 1F1B and zero bubble on a stage DAG (pure Python, no JAX)."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -194,6 +195,9 @@ def test_build_dag_errors_say_what_to_pass(options, message):
 def test_bad_placement_and_memory_errors():
     with pytest.raises(ScheduleError, match="every device"):
         dag_1f1b(DIAMOND, (0, 1, 3, 4), 4)
+    with pytest.raises(ScheduleError, match=r"placement\[1\] = 1.7 is not an integer"):
+        dag_1f1b(DIAMOND, (0, 1.7, 0.2, 1), 4)  # int() made it (0, 1, 0, 1), silently
+    assert dag_1f1b(DIAMOND, (0, np.int64(1), 2, 3), 4).placement == (0, 1, 2, 3)
     with pytest.raises(ScheduleError, match="below the 1 M_B"):
         dag_zb(DIAMOND, (0, 1, 2, 3), 4, mem_limit=0.5)
     with pytest.raises(ScheduleError, match="mem_limit"):

@@ -603,6 +603,7 @@ def test_mesh_without_the_axis_lists_the_axes(mlp_setup):
         (dict(pack_ticks=1), r"pack_ticks=1; pass None, True or False"),
         (dict(mesh=None), r"mesh= is a NoneType, not a jax\.sharding\.Mesh.*jax\.make_mesh"),
         (dict(loss_fn="loss"), r"loss_fn is a str, not a function"),
+        (dict(schedule="dag-1f1b", placement=(0, 1.5)), r"placement\[1\]=1.5; it must be an int"),
     ],
 )
 def test_bad_arguments_are_rejected_when_the_pipeline_is_built(mlp_setup, kwargs, message):

@@ -38,6 +38,12 @@ def test_action_rejects_unknown_kind_and_negative_indices():
         Action("F", -1, 0)
     with pytest.raises(ScheduleError, match="must be >= 0"):
         Action("B", 0, -2)
+    with pytest.raises(ScheduleError, match="action F's stage = 1.5 is not an integer"):
+        Action("F", 1.5, 0)  # printed as 1.5F0 before
+    with pytest.raises(ScheduleError, match="action W's microbatch = True is not an integer"):
+        Action("W", 0, True)
+    assert Action("F", np.int64(2), np.int32(1)) == Action("F", 2, 1)
+    assert type(Action("F", np.int64(2), 1).stage) is int
 
 
 def test_actions_sort_and_hash_as_values():

@@ -284,7 +284,11 @@ class Pipeline:
         self.mem_limit = mem_limit
         self.w_mem = w_mem
         self.partitioner = partitioner
-        self.placement = None if placement is None else tuple(int(d) for d in placement)
+        if placement is not None:
+            placement = tuple(
+                _whole_number(f"placement[{s}]", d, 0) for s, d in enumerate(placement)
+            )
+        self.placement = placement
         if keep_buffers is None:
             keep_buffers = all(d.platform == "cpu" for d in np.ravel(mesh.devices))
         self.keep_buffers = _flag("keep_buffers", keep_buffers)

@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Costs, Schedule, SimResult
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, as_index
 from zbjax.schedules.simulate import peak_memory, simulate
 from zbjax.schedules.validate import validate
 
@@ -53,7 +53,7 @@ def check_stage_dag(
     Raises ScheduleError when an edge names a missing stage, the edges have a cycle, the
     placement leaves a device without a stage, or num_microbatches is not a positive integer.
     """
-    placement = tuple(int(d) for d in placement)
+    placement = tuple(as_index(f"placement[{s}]", d) for s, d in enumerate(placement))
     if not placement:
         raise ScheduleError("placement is empty; give one device per stage, e.g. (0, 1, 2, 3)")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -65,7 +65,9 @@ def check_stage_dag(
             f"placement {placement} must use every device 0..{max(placement)} and no negative "
             "device; renumber the devices so that each one holds at least one stage"
         )
-    edges = tuple((int(a), int(b)) for a, b in edges)
+    edges = tuple(
+        (as_index("an edge's stage", a), as_index("an edge's stage", b)) for a, b in edges
+    )
     for a, b in edges:
         if not (0 <= a < num_stages and 0 <= b < num_stages) or a == b:
             raise ScheduleError(

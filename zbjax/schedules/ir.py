@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,19 @@ KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
 _ACTION_RE = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
 
 
+def as_index(what: str, value: object) -> int:
+    """Returns ``value`` as an int (a Python or NumPy integer); raises ScheduleError naming
+    ``what`` for anything else (a float such as 1.7 would otherwise be truncated, silently)."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool | np.bool_):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ScheduleError(f"{what} = {value!r} is not an integer")
+
+
 @dataclass(frozen=True, order=True)
 class Action:
     """One unit of pipeline work: ``kind`` of ``stage`` on ``microbatch``."""
@@ -35,6 +49,11 @@ class Action:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ScheduleError(f"action kind {self.kind!r} is not one of {KINDS}")
+        if type(self.stage) is not int or type(self.microbatch) is not int:
+            object.__setattr__(self, "stage", as_index(f"action {self.kind}'s stage", self.stage))
+            object.__setattr__(
+                self, "microbatch", as_index(f"action {self.kind}'s microbatch", self.microbatch)
+            )
         if self.stage < 0 or self.microbatch < 0:
             raise ScheduleError(
                 f"action {self.kind} has stage {self.stage} and microbatch {self.microbatch}; "
