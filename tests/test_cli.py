@@ -158,6 +158,9 @@ def test_dag_schedule_from_edges_shows_named_branches(capsys):
     assert "BW0" in grid and "span bubble" in grid
 
 
+DIAMOND = ["--edges", "0-1,0-2,1-3,2-3"]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -166,6 +169,10 @@ def test_dag_schedule_from_edges_shows_named_branches(capsys):
         (["dag-zb", "-p", "4", "-m", "4", "--edges", "0>1"], "'0>1'"),
         (["zb-h1", "-p", "4", "-m", "4", "--edges", "0-1"], "zb-h1"),
         (["dag-zb", "-p", "2", "-m", "4", "--edges", "0-1", "--stage-names", "a"], "1 names"),
+        # -p and --stages were ignored beside --placement / --edges.
+        (["dag-zb", "-p", "4", "-m", "4", *DIAMOND, "--placement", "0,1,1,0"], "(2 devices) but"),
+        (["dag-zb", "-p", "4", "-m", "4", *DIAMOND, "--stages", "7"], "7 but"),
+        (["dag-zb", "-p", "2", "-m", "4", "--edges", "0-1,1-2", "--placement", "0,1"], "2 devices"),
     ],
 )
 def test_bad_dag_options_exit_2_naming_the_value(capsys, argv, needle):

@@ -130,8 +130,23 @@ def _dag_options(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     edges = parse_edges(args.edges)
     num_stages = max(max(e) for e in edges) + 1
+    if args.stages is not None and args.stages != num_stages:
+        raise UsageError(
+            f"--stages {args.stages} but --edges name {num_stages} stages (0..{num_stages - 1}); "
+            "leave --stages out with --edges, or fix the edges"
+        )
     if args.placement:
         placement = parse_ints("--placement", args.placement)
+        if len(placement) != num_stages:
+            raise UsageError(
+                f"--placement gives {len(placement)} devices for the {num_stages} stages the "
+                "edges name; give one device per stage"
+            )
+        if max(placement) + 1 != args.p:
+            raise UsageError(
+                f"--placement uses devices 0..{max(placement)} ({max(placement) + 1} devices) "
+                f"but -p is {args.p}; make them agree"
+            )
     elif num_stages == args.p:
         placement = tuple(range(num_stages))
     else:
