@@ -191,11 +191,14 @@ def build(
             if mem_limit is not None:
                 needed = max(peak_memory(schedule))
                 if needed > mem_limit + 1e-9:
+                    # gpipe holds every microbatch; 1f1b's peak is fixed by the stage count.
+                    fewer = "use fewer microbatches, " if name == "gpipe" else ""
                     raise ScheduleError(
                         f"{name} with {num_stages} stages and {num_microbatches} microbatches "
                         f"needs {needed:g} M_B per device, above mem_limit = {mem_limit:g}; "
-                        f"raise mem_limit to {needed:g}, use fewer microbatches (gpipe) or "
-                        "choose a schedule that fits the limit (1f1b, zb-h1, zb-auto)"
+                        f"{name} does not adapt to a limit: raise mem_limit to {needed:g}, "
+                        f"{fewer}or choose a schedule that shapes itself to the limit "
+                        "(zb-h1, zb-h2, zb-auto; zb-v with two stages per device)"
                     )
     schedule = dataclasses.replace(
         schedule, w_mem=w_mem, mem_limit=mem_limit if mem_limit is not None else schedule.mem_limit
