@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from zbjax.schedules import Costs, Schedule, parse_actions, simulate
+from zbjax.schedules import Costs, Schedule, build, parse_actions, simulate
 from zbjax.schedules.plot import chrome_trace, gantt, text_grid, write_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -85,6 +85,24 @@ def test_text_grid_scales_unequal_costs_to_the_shortest_action():
     assert lines[1].split()[:4] == ["d0", "F0", "--", "F1"]
     assert lines[2].split()[:5] == ["d1", ".", ".", "F0", "--"]
     assert len(lines[1].split()) - 1 == result.makespan
+
+
+def test_text_grid_ruler_marks_never_run_together():
+    # Fractions are longer than the last (whole) time: "0.250.5" read as one number.
+    schedule = build("1f1b", 2, 2)
+    ruler = text_grid(schedule, simulate(schedule, Costs(f=0.25, b=0.5, w=0.25))).splitlines()[1]
+    marks = ruler.split()
+    assert marks[:3] == ["0", "0.5", "1"]
+    assert all(float(a) < float(b) for a, b in zip(marks, marks[1:], strict=False))
+
+
+def test_text_grid_keeps_one_column_per_unit_on_a_short_program_and_orders_neighbours():
+    # 1f1b with one microbatch: each device runs two actions in a 12-unit makespan; the unit
+    # grew to 2 and drew d1's F0 beside d0's F0, which it waits for (round() of 0.5 is 0).
+    lines = text_grid(build("1f1b", 4, 1)).splitlines()
+    assert lines[0].split() == [str(t) for t in range(12)]
+    for device in range(4):
+        assert lines[1 + device].split()[1 + device] == "F0"
 
 
 def test_text_grid_wraps_long_schedules_into_blocks_within_width():

@@ -57,14 +57,21 @@ def _slot_unit(schedule: Schedule, result: SimResult) -> float:
 
     The shortest action gets one column, so equal costs give one column per action. When some
     action is tiny next to the makespan (e.g. W costs 0.01), that would make thousands of
-    columns; the unit is then raised so a device's program spans at most ~3 columns per action.
+    columns; past 64 columns (or 3 per action of the longest program) the unit is raised to
+    that many.
     """
     durations = [result.end[a] - result.start[a] for _, _, a in schedule.all_actions()]
     positive = [d for d in durations if d > 0]
     if not positive:
         return 1.0
-    longest_program = max(len(p) for p in schedule.actions)
-    return max(min(positive), result.makespan / (3 * longest_program))
+    columns = max(3 * max(len(p) for p in schedule.actions), 64)
+    return max(min(positive), result.makespan / columns)
+
+
+def _slot(t: float, unit: float) -> int:
+    """Returns the column time ``t`` falls at, halves rounded up: an action that starts half a
+    column after another is drawn after it, not beside it (Python's round() halves to even)."""
+    return math.floor(t / unit + 0.5)
 
 
 def _grid_rows(schedule: Schedule, result: SimResult, unit: float) -> list[list[str | None]]:
@@ -77,8 +84,8 @@ def _grid_rows(schedule: Schedule, result: SimResult, unit: float) -> list[list[
         for action in program:
             # Rounding can make two neighbours share a slot; push the later one right so every
             # action keeps at least one visible cell, in program order.
-            first = max(round(result.start[action] / unit), len(row))
-            last = max(round(result.end[action] / unit), first + 1)
+            first = max(_slot(result.start[action], unit), len(row))
+            last = max(_slot(result.end[action], unit), first + 1)
             row.extend([None] * (first - len(row)))
             row.append(_cell_label(action, with_stage))
             row.extend([""] * (last - first - 1))
@@ -112,8 +119,9 @@ def text_grid(schedule: Schedule, result: SimResult | None = None, width: int = 
         ]
     name_width = max((len(n) for n in row_names), default=1) + 1
     per_block = max(1, (width - name_width) // (cell + 1))
-    # A time mark every `mark_every` slots, far enough apart for the longest mark to fit.
-    longest_mark = len(_fmt_time(num_slots * unit)) + 1
+    # A time mark every `mark_every` slots, far enough apart for the longest mark to fit (a
+    # fraction such as 0.25 is longer than the last time, a whole number).
+    longest_mark = max(len(_fmt_time(slot * unit)) for slot in range(num_slots + 1)) + 1
     mark_every = max(1, math.ceil(longest_mark / (cell + 1)))
     mark_every = next(k for k in (1, 2, 5, 10, 20, 50, 100, 10**9) if k >= mark_every)
 
@@ -126,12 +134,15 @@ def text_grid(schedule: Schedule, result: SimResult | None = None, width: int = 
     for begin in range(0, max(num_slots, 1), per_block):
         end = min(begin + per_block, num_slots)
         ruler = [" "] * ((end - begin) * (cell + 1))
+        free = 0  # the first position after the last mark and its space
         for slot in range(begin, end):
             if slot % mark_every == 0:
                 mark = _fmt_time(slot * unit)
                 pos = (slot - begin) * (cell + 1)
-                if pos + len(mark) <= len(ruler):  # a cut-off mark would read as another time
+                # A cut-off mark, or one run into the last, would read as another time.
+                if pos >= free and pos + len(mark) <= len(ruler):
                     ruler[pos : pos + len(mark)] = list(mark)
+                    free = pos + len(mark) + 1
         lines = [" " * name_width + "".join(ruler).rstrip()]
         for device, row in enumerate(rows):
             body = " ".join(render(c) for c in row[begin:end])
