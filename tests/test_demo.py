@@ -192,13 +192,30 @@ def test_progress_prints_lines_in_a_log_and_a_carriage_return_bar_on_a_terminal(
     assert "[" + "#" * 24 + "]" in term.getvalue()
 
 
-def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys):
+def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
     assert main(["demo", "--batch-size", "6", "--microbatches", "4", "--devices", "2"]) == 2
     assert "batch_size=6" in capsys.readouterr().err
     assert main(["demo", "--devices", "2", "--layers", "1", "--stages", "4"]) == 2
     assert "layers" in capsys.readouterr().err
     assert main(["demo", "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err
+    # A file where a directory goes: the profiler failed only after training, in a traceback.
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for flag in ("--profile", "--out"):
+        assert main(["demo", "--devices", "2", flag, str(a_file)]) == 2
+        assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_summary_of_one_step_claims_no_trend_and_says_compilation_is_included(tiny_run):
+    result = tiny_run[0]
+    one = dataclasses.replace(
+        result, losses=result.losses[:1], step_seconds=result.step_seconds[:1]
+    )
+    first_line = summary(one).splitlines()[0]
+    assert "over 1 steps (one step: no trend)" in first_line
+    assert "for the one step, compilation included" in first_line
+    assert "after the first" not in first_line and "did NOT" not in first_line
 
 
 def test_demo_with_tensor_parallelism_passes_its_checks():

@@ -188,6 +188,13 @@ def _check_config(config: DemoConfig) -> None:
         )
     if not config.lr > 0:
         raise PipelineError(f"lr={config.lr}; the learning rate must be > 0")
+    # Checked before training: the profiler fails only when it stops, after the steps ran.
+    for name, path in (("out_dir", config.out_dir), ("profile_dir", config.profile_dir)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise PipelineError(
+                f"{name}={path!r} is a file, not a directory; give a directory to write into "
+                "(it is made if missing)"
+            )
 
 
 def _pp_mesh(num_devices: int | None, tp: int = 1) -> jax.sharding.Mesh:
@@ -596,12 +603,18 @@ def summary(result: DemoResult) -> str:
     """Returns the closing text: loss curve, speed, checks with PASS/FAIL, files written."""
     losses = result.losses
     timed = result.step_seconds[1:]
-    mean_step = sum(timed) / len(timed) if timed else result.step_seconds[0]
+    if timed:
+        mean_step = sum(timed) / len(timed)
+        trend = "decreased" if result.loss_decreased else "did NOT decrease"
+        speed = f"{mean_step * 1e3:.1f} ms/step after the first"
+    else:  # one step: no trend, and its time includes compiling the step
+        mean_step = result.step_seconds[0]
+        trend = "one step: no trend"
+        speed = f"{mean_step * 1e3:.1f} ms for the one step, compilation included"
     lines = [
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps "
-        f"({'decreased' if result.loss_decreased else 'did NOT decrease'}); "
-        f"{mean_step * 1e3:.1f} ms/step after the first "
-        f"({result.tokens_per_step / mean_step:,.0f} tokens/s); wall {result.wall_seconds:.1f} s",
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps ({trend}); "
+        f"{speed} ({result.tokens_per_step / mean_step:,.0f} tokens/s); wall "
+        f"{result.wall_seconds:.1f} s",
         _curve(losses),
         f"simulated bubble {result.bubble_rate:.1%}: the schedule that ran, simulated with "
         "per-stage FLOP estimates and B = W = F (the report above simulates it with the stage "
