@@ -110,6 +110,8 @@ def test_report_progress_and_schedule_files(tiny_run):
     assert "per-device memory" in reports[0]
     assert [s.step for s in steps] == list(range(5))
     assert 0 < steps[0].bubble_rate < 1
+    # The progress line simulates the schedule with the report's costs: the same bubble rate.
+    assert f"simulated bubble rate: {steps[0].bubble_rate:.3f}" in reports[0]
     png = next(p for p in result.files if p.endswith(".png"))
     trace = next(p for p in result.files if p.endswith(".json"))
     with open(png, "rb") as f:
@@ -162,7 +164,14 @@ def test_cli_demo_passes_flags_prints_report_progress_and_exits_1_on_fail(
     failed = dataclasses.replace(result.first_step, passed=False)
     outcome = dataclasses.replace(result, first_step=failed)
     assert main(argv) == 1
-    assert "FAIL" in capsys.readouterr().out
+    assert "FAIL: the pipelined run differs" in capsys.readouterr().out
+    # A diverged run is not a pipelining mismatch: both runs went to NaN.
+    nan = float("nan")
+    final = dataclasses.replace(result.final, passed=False, reference_losses=(3.0, nan))
+    outcome = dataclasses.replace(result, losses=(*result.losses[:-1], nan), final=final)
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: the training diverged (a non-finite loss); so did the unpipelined" in out
 
 
 def test_first_step_check_fails_on_a_wrong_gradient():
@@ -205,6 +214,16 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
     for flag in ("--profile", "--out"):
         assert main(["demo", "--devices", "2", flag, str(a_file)]) == 2
         assert "is a file, not a directory" in capsys.readouterr().err
+    assert main(["demo", "--devices", "2", "--profile", str(a_file / "sub")]) == 2
+    assert "cannot be made a directory" in capsys.readouterr().err
+    # A seed numpy refuses, an lr that diverges at once, a tp that would split nothing.
+    for argv, needle in [
+        (["--seed", "-1"], "seed=-1"),
+        (["--lr", "inf"], "lr=inf; the learning rate must be finite"),
+        (["--tp", "3"], "tp=3 must divide heads=4"),
+    ]:
+        assert main(["demo", "--devices", "2", *argv]) == 2
+        assert needle in capsys.readouterr().err
 
 
 def test_summary_of_one_step_claims_no_trend_and_says_compilation_is_included(tiny_run):

@@ -332,7 +332,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     result = run_demo(config, on_report=show_report, on_step=Progress())
     print()
     print(summary(result))
-    print("PASS" if result.passed else "FAIL: the pipelined run differs from the reference")
+    if result.passed:
+        print("PASS")
+    elif result.diverged:
+        reference = result.final.reference_losses if result.final is not None else ()
+        also = (
+            "; so did the unpipelined reference run"
+            if any(not math.isfinite(x) for x in reference)
+            else ""
+        )
+        print(f"FAIL: the training diverged (a non-finite loss){also}; lower --lr")
+    else:
+        print("FAIL: the pipelined run differs from the reference")
     return 0 if result.passed else 1
 
 

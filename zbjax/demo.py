@@ -10,9 +10,10 @@ line (``zbjax.cli``) only prints what the callbacks and the result say.
 Choices a user would want to know:
 
 - The model is cut with ``stage_boundary`` markers at ``balanced_boundaries(cfg, num_stages)``
-  (embedding with the first block, the final LayerNorm and tied head with the last), and the
-  schedule is built here from the same per-stage FLOP estimates, so that the Gantt chart, the
-  trace and the bubble rate on the progress line describe the schedule that actually runs.
+  (embedding with the first block, the final LayerNorm and tied head with the last). The Gantt
+  chart, the trace, the bubble rate on the progress line and the report all show the schedule
+  that actually runs (``pipe.schedule``), simulated with the same costs: the stage programs'
+  own estimates (``zbjax.pipeline.program_costs``).
 - Params stay in the pipeline's staged layout between steps (``pipe.stage``). adamw decays the
   weight matrices and embeddings only (a mask on the parameter tree, as GPT recipes do: no
   decay on LayerNorm scales and biases), so it runs through ``pipe.per_leaf``: each device
@@ -42,7 +43,7 @@ from zbjax import schedules
 from zbjax.cpu import use_cpu_devices
 from zbjax.data import CharTokenizer, batch_at, synthetic_text
 from zbjax.errors import PipelineError
-from zbjax.pipeline import TWO_STAGES_PER_DEVICE
+from zbjax.pipeline import TWO_STAGES_PER_DEVICE, program_costs
 from zbjax.pipeline import pipeline as make_pipeline
 from zbjax.trace import ActionTimes, action_times
 
@@ -150,6 +151,11 @@ class DemoResult:
         return self.losses[-1] < self.losses[0]
 
     @property
+    def diverged(self) -> bool:
+        """Returns whether a step's loss was not finite (NaN or infinite)."""
+        return not all(math.isfinite(x) for x in self.losses)
+
+    @property
     def passed(self) -> bool:
         """Returns whether the first-step check and (when run) the final check passed."""
         return self.first_step.passed and (self.final is None or self.final.passed)
@@ -186,15 +192,38 @@ def _check_config(config: DemoConfig) -> None:
             f"microbatches={config.microbatches}; use a batch size that is a multiple of "
             f"{config.microbatches}"
         )
-    if not config.lr > 0:
-        raise PipelineError(f"lr={config.lr}; the learning rate must be > 0")
-    # Checked before training: the profiler fails only when it stops, after the steps ran.
+    if not 0 < config.lr < math.inf:
+        raise PipelineError(f"lr={config.lr}; the learning rate must be finite and > 0")
+    if config.seed < 0:
+        raise PipelineError(f"seed={config.seed}; it must be >= 0")
+    if config.tp > 1 and (config.heads % config.tp or (4 * config.width) % config.tp):
+        # Otherwise the attention and MLPs of every stage would stay replicated over the tp
+        # devices (models.gpt.tensor_parallel_specs leaves what it cannot split whole).
+        raise PipelineError(
+            f"tp={config.tp} must divide heads={config.heads} (attention is split by whole "
+            f"heads) and the MLP's {4 * config.width} hidden features; choose a tp that "
+            "divides both"
+        )
+
+
+def _make_dirs(config: DemoConfig) -> None:
+    """Makes the output and profile directories, or raises PipelineError naming the one that
+    cannot be made: before training, as the profiler fails only when it stops, after the steps."""
     for name, path in (("out_dir", config.out_dir), ("profile_dir", config.profile_dir)):
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
+        if path is None:
+            continue
+        if Path(path).exists() and not Path(path).is_dir():
             raise PipelineError(
                 f"{name}={path!r} is a file, not a directory; give a directory to write into "
                 "(it is made if missing)"
             )
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PipelineError(
+                f"{name}={path!r} cannot be made a directory ({err.strerror or err}); give a "
+                "directory to write into"
+            ) from None
 
 
 def _pp_mesh(num_devices: int | None, tp: int = 1) -> jax.sharding.Mesh:
@@ -235,20 +264,6 @@ def _gpt_config(config: DemoConfig, vocab_size: int, num_stages: int):
         )
     cuts = gpt.balanced_boundaries(cfg, num_stages)
     return dataclasses.replace(cfg, stage_boundaries=cuts)
-
-
-def stage_costs(cfg: Any) -> schedules.Costs:
-    """Returns per-stage F/B/W costs of the GPT cut at ``cfg.stage_boundaries``, in units of
-    the costliest stage's forward (B = W = F: each matmul's two backward products)."""
-    from models import gpt
-
-    units = gpt.unit_costs(cfg)  # [embedding + block 0, blocks 1.., head]
-    ends = [b + 1 for b in cfg.stage_boundaries] + [len(units)]
-    starts = [0] + ends[:-1]
-    forward = [float(sum(units[a:b])) for a, b in zip(starts, ends, strict=True)]
-    top = max(forward)
-    forward = tuple(f / top for f in forward)
-    return schedules.Costs(f=forward, b=forward, w=forward)
 
 
 def rescale_init(params: Any, num_layers: int) -> Any:
@@ -396,6 +411,7 @@ def run_demo(
 
     started = time.perf_counter()
     _check_config(config)
+    _make_dirs(config)
     request_cpu_devices(config.devices and config.devices * config.tp)
     mesh = _pp_mesh(config.devices, config.tp)
     num_devices = int(mesh.shape["pp"])
@@ -410,25 +426,14 @@ def run_demo(
     def batches(step: int) -> dict[str, np.ndarray]:
         return batch_at(corpus, step, config.batch_size, config.seq_len, seed=config.seed)
 
-    costs = stage_costs(cfg)
-    schedule = schedules.build(
-        config.schedule,
-        num_stages,
-        config.microbatches,
-        num_devices=num_devices,
-        costs=costs,
-    )
-    simulated = schedules.simulate(schedule, costs)
     notes: list[str] = []
-    files = _write_schedule_files(schedule, costs, config.out_dir, notes)
-
     loss_fn = gpt.make_loss_fn(cfg)
     params = rescale_init(gpt.init_params(jax.random.key(config.seed), cfg), cfg.num_layers)
     pipe = make_pipeline(
         loss_fn,
         mesh=mesh,
         axis_name="pp",
-        schedule=schedule,
+        schedule=config.schedule,
         num_microbatches=config.microbatches,
         num_stages=num_stages,
         param_specs=(
@@ -444,6 +449,10 @@ def run_demo(
     pipe.lower(params, batches(0))  # builds the stage programs, so that params can be staged
     staged = pipe.stage(params)
     phases.append(("trace, partition, split, lower", time.perf_counter() - tick))
+    # The schedule that runs, simulated with the costs the report uses.
+    costs = program_costs(pipe.programs)
+    simulated = schedules.simulate(pipe.schedule, costs)
+    files = _write_schedule_files(pipe.schedule, costs, config.out_dir, notes)
     tick = time.perf_counter()
     # Compiled ahead of time, so that the first step's time is a step's, not the compiler's;
     # the report reads its memory from this compile instead of compiling one of its own.
@@ -616,9 +625,8 @@ def summary(result: DemoResult) -> str:
         f"{speed} ({result.tokens_per_step / mean_step:,.0f} tokens/s); wall "
         f"{result.wall_seconds:.1f} s",
         _curve(losses),
-        f"simulated bubble {result.bubble_rate:.1%}: the schedule that ran, simulated with "
-        "per-stage FLOP estimates and B = W = F (the report above simulates it with the stage "
-        "programs' own cost estimates)",
+        f"simulated bubble {result.bubble_rate:.1%}: the schedule that ran, simulated with the "
+        "stage programs' own cost estimates (as in the report above)",
         "time: " + ", ".join(f"{name} {sec:.1f} s" for name, sec in result.phase_seconds),
     ]
     first = result.first_step

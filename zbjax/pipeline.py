@@ -639,7 +639,7 @@ class Pipeline:
         """
         built = self._require_built("pipe.report()")
         low = built.lowering
-        costs = _program_costs(built.programs)
+        costs = program_costs(built.programs)
         sim = schedules.simulate(built.schedule, costs)
         msg_bytes = low.slot_bytes()[3]
         lines = [
@@ -864,7 +864,7 @@ class Pipeline:
             )
         programs = split(graph)
         schedule = self._schedule(graph, programs, parted.placement, kind)
-        costs = (self.costs or _program_costs(programs)) if self.pack_ticks else None
+        costs = (self.costs or program_costs(programs)) if self.pack_ticks else None
         # The keys are the last batch leaf: (microbatches, keys) flattened.
         key_leaf = len(graph.batch_avals) - 1 if key_aval is not None else None
         lowering = lower(
@@ -1024,7 +1024,7 @@ class Pipeline:
                 spec,
                 graph.num_stages,
                 self.num_microbatches,
-                costs=self.costs or _program_costs(programs),
+                costs=self.costs or program_costs(programs),
                 mem_limit=self.mem_limit,
                 w_mem=self.w_mem,
                 edges=list(graph.edge_pairs),
@@ -1035,7 +1035,7 @@ class Pipeline:
             options = {}
             costs = self.costs
             if spec == "zb-auto":
-                costs = costs or _program_costs(programs)
+                costs = costs or program_costs(programs)
                 options["edges"] = graph.edge_pairs
             elif graph.edge_pairs != schedules.chain_edges(graph.num_stages) and not all(
                 a < b for a, b in graph.edge_pairs
@@ -1175,7 +1175,7 @@ def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) ->
     ]
 
 
-def _program_costs(programs: tuple[StageProgram, ...]) -> Costs:
+def program_costs(programs: tuple[StageProgram, ...]) -> Costs:
     """Returns per-stage F/B/W costs from the stage programs' estimates."""
     return Costs(
         f=tuple(p.cost_forward for p in programs),
