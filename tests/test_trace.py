@@ -168,6 +168,12 @@ def test_profile_times_every_action_of_the_step_on_the_device_that_runs_it(tmp_p
     assert in_step.bw is None and in_step.comm == 1e-3
     with pytest.raises(zbjax.PipelineError, match="steps=0"):
         pipe.profile(params, batch, steps=0)
+    # A trace_dir that cannot be a directory is named before any step runs (the profiler
+    # failed as it stopped, and stayed running for every later profile).
+    (tmp_path / "a_file").write_text("")
+    for bad in ("a_file", "a_file/sub"):
+        with pytest.raises(zbjax.PipelineError, match="trace_dir=.*a_file"):
+            pipe.profile(params, batch, steps=1, trace_dir=str(tmp_path / bad))
     jax.profiler.start_trace(str(tmp_path / "users"))
     try:
         with pytest.raises(zbjax.PipelineError, match="already running"):

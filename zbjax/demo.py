@@ -45,7 +45,7 @@ from zbjax.data import CharTokenizer, batch_at, synthetic_text
 from zbjax.errors import PipelineError
 from zbjax.pipeline import TWO_STAGES_PER_DEVICE, program_costs
 from zbjax.pipeline import pipeline as make_pipeline
-from zbjax.trace import ActionTimes, action_times
+from zbjax.trace import ActionTimes, action_times, make_output_dir
 
 if TYPE_CHECKING:  # optax is imported where it is used: building the CLI parser stays fast
     import optax
@@ -207,23 +207,11 @@ def _check_config(config: DemoConfig) -> None:
 
 
 def _make_dirs(config: DemoConfig) -> None:
-    """Makes the output and profile directories, or raises PipelineError naming the one that
-    cannot be made: before training, as the profiler fails only when it stops, after the steps."""
+    """Makes the output and profile directories before training, or raises PipelineError
+    naming the one that cannot be made."""
     for name, path in (("out_dir", config.out_dir), ("profile_dir", config.profile_dir)):
-        if path is None:
-            continue
-        if Path(path).exists() and not Path(path).is_dir():
-            raise PipelineError(
-                f"{name}={path!r} is a file, not a directory; give a directory to write into "
-                "(it is made if missing)"
-            )
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise PipelineError(
-                f"{name}={path!r} cannot be made a directory ({err.strerror or err}); give a "
-                "directory to write into"
-            ) from None
+        if path is not None:
+            make_output_dir(name, path)
 
 
 def _pp_mesh(num_devices: int | None, tp: int = 1) -> jax.sharding.Mesh:

@@ -76,7 +76,7 @@ from zbjax.schedules.ir import Costs, Schedule
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import check_row_splits, leaf_splits, tensor_axis
-from zbjax.trace import ActionTimes, action_times
+from zbjax.trace import ActionTimes, action_times, make_output_dir
 
 #: Schedules that put two stages on every device.
 TWO_STAGES_PER_DEVICE = ("zb-v", "interleaved-1f1b")
@@ -388,6 +388,8 @@ class Pipeline:
         """
         if steps < 1:
             raise PipelineError(f"steps={steps}; it must be at least 1")
+        if trace_dir is not None:
+            make_output_dir("trace_dir", trace_dir)
         built = self._get(params, batch, key)
         held = [_new_buffers(built)]
         compiled = built.step_with_pools.lower(params, batch, key, held[0]).compile()

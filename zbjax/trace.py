@@ -32,6 +32,25 @@ from typing import Any
 from zbjax.errors import PipelineError
 from zbjax.schedules.ir import Costs, Schedule
 
+
+def make_output_dir(name: str, path: str) -> None:
+    """Makes the directory ``path`` (and its parents) for output files or a ``jax.profiler``
+    trace, or raises PipelineError naming ``name``: the profiler itself fails only when it
+    stops, after the traced steps ran, and then stays running."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise PipelineError(
+            f"{name}={str(path)!r} is a file, not a directory; give a directory to write into "
+            "(it is made if missing)"
+        )
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PipelineError(
+            f"{name}={str(path)!r} cannot be made a directory ({err.strerror or err}); give a "
+            "directory to write into"
+        ) from None
+
+
 #: An action's named scope as a component of an instruction's ``op_name`` path.
 ACTION_SCOPE = re.compile(r"(?:^|/)((?:F|B|W|BW) s\d+)(?=/|$)")
 #: The bucket of instructions outside any action that move data between devices.
