@@ -96,6 +96,14 @@ def test_text_grid_ruler_marks_never_run_together():
     assert all(float(a) < float(b) for a, b in zip(marks, marks[1:], strict=False))
 
 
+def test_text_grid_ruler_writes_large_whole_times_as_it_writes_the_others():
+    # Estimated costs run to 1e9: "1.81e+09  2413890625  3.017e+09" read as other scales.
+    schedule = build("1f1b", 2, 2)
+    costs = Costs(f=6.035e8, b=6.035e8, w=6.035e8)
+    marks = text_grid(schedule, simulate(schedule, costs)).splitlines()[1].split()
+    assert marks[0] == "0" and all("e+09" in m or "e+08" in m for m in marks[1:])
+
+
 def test_text_grid_keeps_one_column_per_unit_on_a_short_program_and_orders_neighbours():
     # 1f1b with one microbatch: each device runs two actions in a 12-unit makespan; the unit
     # grew to 2 and drew d1's F0 beside d0's F0, which it waits for (round() of 0.5 is 0).

@@ -49,7 +49,8 @@ def _cell_label(action: Action, with_stage: bool) -> str:
 
 
 def _fmt_time(t: float) -> str:
-    return f"{t:.4g}" if t != int(t) else str(int(t))
+    # Whole numbers short, as their digits; a large one in the notation .4g gives others.
+    return str(int(t)) if t == int(t) and abs(t) < 1e6 else f"{t:.4g}"
 
 
 def _slot_unit(schedule: Schedule, result: SimResult) -> float:
