@@ -421,6 +421,31 @@ def tp_scan_case():
     return _tp_case("scan-zb-v")
 
 
+def test_bfloat16_params_and_loss_with_a_tensor_axis_and_data_parallel():
+    # XLA:CPU aborted the process compiling the step's bfloat16 all-reduces (the gradients'
+    # data-parallel mean, the loss's sum) once a tensor axis was partitioned: zbjax reduces
+    # 16-bit floats in float32.
+    params, specs, batch = _mlp()
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    base = _mlp_loss(2)
+
+    def loss_fn(params, batch):
+        return base(jax.tree.map(lambda x: x.astype(jnp.float32), params), batch).astype(
+            jnp.bfloat16
+        )
+
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=_mesh(), schedule="1f1b", num_microbatches=2, param_specs=specs
+    )
+    loss, grads = jax.jit(pipe.value_and_grad)(params, batch)
+    want_loss, want_grads = reference_value_and_grad(loss_fn, params, batch, 2)
+    assert loss.dtype == jnp.bfloat16
+    assert jax.tree.leaves(grads)[0].dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=2e-2)
+    wide = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+    assert _max_diff(wide(grads), wide(want_grads)) < 2e-2
+
+
 def test_gpt_specs_split_attention_by_whole_heads():
     """``gpt.tensor_parallel_specs`` splits qkv column-parallel and the attention output
     row-parallel; qkv's features lie head by head, so each device's part is whole heads and

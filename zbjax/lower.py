@@ -59,6 +59,7 @@ from zbjax.params import (
     StagedLayout,
     StagedParams,
     dtype_name,
+    reduce_wide,
     staged_layout,
     sum_shared_gradients,
     unpack_stage_params,
@@ -1354,13 +1355,15 @@ def _run(
         carry = (arena_bufs, grads, message_buf, sends, zero)
         (arena_bufs, grads, _, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
         # The loss and its aux, summed on the loss stage's device: their means, on every device.
-        loss = [t / num_micro for t in jax.lax.psum(loss_sum, axis)]
+        loss = [reduce_wide(jax.lax.psum, t, axis) / num_micro for t in loss_sum]
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average.
-            loss = jax.lax.pmean(loss, data_axes)
+            loss = [reduce_wide(jax.lax.pmean, t, data_axes) for t in loss]
             # Integer params' gradients are zeros of their dtype (pmean would make them float).
             grads = [
-                jax.lax.pmean(g, data_axes) if jnp.issubdtype(g.dtype, jnp.inexact) else g
+                reduce_wide(jax.lax.pmean, g, data_axes)
+                if jnp.issubdtype(g.dtype, jnp.inexact)
+                else g
                 for g in grads
             ]
         # Every copy of a tied leaf gets the leaf's whole gradient; the rest stay where they are.

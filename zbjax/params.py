@@ -29,8 +29,9 @@ and data axes, the tensor axis left to the compiler) slots are read and written 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -488,8 +489,17 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
 
     # The slots differ by device, so each device runs its own static code (one branch each).
     mine = per_device(axis, layout.num_devices, gather, list(rows))
-    totals = [jax.lax.psum(x, axis) for x in mine]
+    totals = [reduce_wide(jax.lax.psum, x, axis) for x in mine]
     return per_device(axis, layout.num_devices, scatter, list(rows), totals)
+
+
+def reduce_wide(collective: Callable[..., Any], x: jax.Array, axes: Any) -> jax.Array:
+    """Returns ``collective(x, axes)`` (``jax.lax.psum`` or ``pmean``), a 16-bit float reduced
+    in float32: XLA:CPU aborted the process compiling a bfloat16 all-reduce in a step whose
+    tensor axis XLA partitions (its all-reduce promotion pass), and a float32 sum loses less."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
+        return collective(x.astype(jnp.float32), axes).astype(x.dtype)
+    return collective(x, axes)
 
 
 def per_device(axis: str, num_devices: int, branch, *operands):
