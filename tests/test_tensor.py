@@ -220,6 +220,8 @@ def test_errors_name_the_problem():
         build({"layers": P("model"), "head": None})
     with pytest.raises(PipelineError, match="not a jax.sharding.PartitionSpec"):
         build({"layers": "tp", "head": None})
+    with pytest.raises(PipelineError, match="PartitionSpec.UNCONSTRAINED.*or None"):
+        build({"layers": P(P.UNCONSTRAINED, "tp"), "head": None})  # a bare TypeError before
     odd = dict(params, head=jnp.zeros((D, 3)))
     with pytest.raises(PipelineError, match=r"\['head'\] has 3 entries along dimension 1"):
         build(dict(specs, head=P(None, "tp"))).value_and_grad(odd, batch)

@@ -85,6 +85,12 @@ def _names(entry: Any) -> tuple[str, ...]:
         return ()
     if isinstance(entry, str):
         return (entry,)
+    if entry is PartitionSpec.UNCONSTRAINED:
+        raise PipelineError(
+            "param_specs use PartitionSpec.UNCONSTRAINED, which leaves a dimension's split to "
+            "the compiler; the pipeline lays each param out itself, so say the split: the "
+            "tensor axis's name, or None for a dimension not split"
+        )
     return tuple(entry)
 
 
