@@ -56,11 +56,13 @@ def test_reference_equals_full_batch_value_and_grad_for_a_mean_loss():
     np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-6)
 
 
-def test_reference_with_key_averages_microbatches_run_with_fold_in_keys():
-    def loss_fn(params, batch, key):
-        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
-        return jnp.mean(jnp.where(keep, batch["x"], 0.0) @ params["w"])
+def keyed_loss(params, batch, key):
+    keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+    return jnp.mean(jnp.where(keep, batch["x"], 0.0) @ params["w"])
 
+
+def test_reference_with_key_averages_microbatches_run_with_fold_in_keys():
+    loss_fn = keyed_loss
     params = {"w": jnp.arange(3.0)}
     batch = {"x": jax.random.normal(jax.random.key(1), (4, 3))}
     key = jax.random.key(2)
@@ -76,10 +78,7 @@ def test_reference_with_key_averages_microbatches_run_with_fold_in_keys():
 
 
 def test_reference_with_data_parallel_shards_runs_block_s_with_fold_in_key_i_s():
-    def loss_fn(params, batch, key):
-        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
-        return jnp.mean(jnp.where(keep, batch["x"], 0.0) @ params["w"])
-
+    loss_fn = keyed_loss
     params = {"w": jnp.arange(3.0)}
     batch = {"x": jax.random.normal(jax.random.key(1), (8, 3))}
     key = jax.random.key(2)

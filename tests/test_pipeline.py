@@ -26,6 +26,14 @@ def pp_mesh(p):
     return jax.make_mesh((p,), ("pp",), axis_types=(AUTO,), devices=jax.devices()[:p])
 
 
+def two_layer_case(seed, rows=8):
+    """Returns NumPy (params, batch) of a 4 -> 8 -> 2 model, params {"w1", "w2"} drawn first."""
+    rng = np.random.default_rng(seed)
+    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
+    batch = {"x": rng.normal(size=(rows, 4)), "y": rng.normal(size=(rows, 2))}
+    return params, batch
+
+
 def assert_close(result, reference):
     (loss, grads), (ref_loss, ref_grads) = result, reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -118,9 +126,7 @@ def dropout_loss(params, batch, key):
 def test_data_parallel_shards_draw_their_own_dropout_bits_from_fold_in_key_i_shard(raw):
     # Shard s of microbatch i calls loss_fn with fold_in(fold_in(key, i), s): every shard
     # once drew the same mask for its rows, and a raw key's two words were split over dp.
-    rng = np.random.default_rng(2)
-    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
-    batch = {"x": rng.normal(size=(16, 4)), "y": rng.normal(size=(16, 2))}
+    params, batch = two_layer_case(2, rows=16)
     key = jax.random.PRNGKey(3) if raw else jax.random.key(3)
     mesh = jax.make_mesh((2, 2, 2), ("pp", "dp", "fsdp"), axis_types=(AUTO,) * 3)
     pipe = zbjax.pipeline(dropout_loss, mesh=mesh, schedule="zb-h1", num_microbatches=2)
@@ -675,9 +681,7 @@ def remat_dropout_loss(params, batch, key):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
 def test_a_key_kept_for_the_backward_is_stored_as_key_data(schedule):
-    rng = np.random.default_rng(3)
-    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
-    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    params, batch = two_layer_case(3)
     loss_fn = remat_dropout_loss
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=2)
     key = jax.random.key(3)
@@ -717,9 +721,8 @@ def scalar_loss(params, batch):
 
 
 def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_them():
-    rng = np.random.default_rng(0)
-    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2)), "scale": 0.5}
-    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    params, batch = two_layer_case(0)
+    params["scale"] = 0.5
     pipe = zbjax.pipeline(scalar_loss, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
     reference = jax.value_and_grad(scalar_loss)(params, batch)
     assert_close(pipe.value_and_grad(params, batch), reference)
@@ -742,10 +745,9 @@ def test_integer_params_get_zero_gradients_of_their_own_dtype_under_data_paralle
     # An integer leaf (a step count, a lookup table) is not differentiated: its gradient is
     # zeros of its dtype, staged or not. The data-parallel mean once made those rows float32
     # while the staged grads still said int32.
-    rng = np.random.default_rng(2)
-    floats = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2)), "scale": 0.5}
+    floats, batch = two_layer_case(2, rows=16)
+    floats["scale"] = 0.5
     params = {**floats, "n": jnp.array(3), "table": jnp.arange(4, dtype=jnp.int8)}
-    batch = {"x": rng.normal(size=(16, 4)), "y": rng.normal(size=(16, 2))}
 
     def loss_fn(params, batch):
         scaled = {**params, "scale": params["scale"] * params["n"]}
@@ -778,9 +780,7 @@ def callback_loss(params, batch, seen=None):
 def test_debug_callbacks_run_in_the_pipeline_once_per_microbatch(schedule):
     # jax.debug.print / callback return nothing the loss reads; the pipeline keeps them (as
     # JAX keeps effects) in the stage of their inputs, called once per microbatch.
-    rng = np.random.default_rng(1)
-    params = {"w1": rng.normal(size=(4, 8)), "w2": rng.normal(size=(8, 2))}
-    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    params, batch = two_layer_case(1)
     expected: list = []
     jax.block_until_ready(callback_loss(params, batch, expected))
     seen: list = []

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-import operator
 import statistics
 import tempfile
 import time
@@ -72,7 +72,7 @@ from zbjax.params import (
 )
 from zbjax.partition import caller_stacklevel, partition, stage_summary
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
-from zbjax.schedules.ir import Costs, Schedule
+from zbjax.schedules.ir import Costs, Schedule, integer
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import check_row_splits, leaf_splits, tensor_axis
@@ -156,6 +156,13 @@ def _avals(tree: Any, what: str = "argument") -> Any:
     return jax.tree_util.tree_unflatten(treedef, avals)
 
 
+@functools.cache
+def _raw_key_aval() -> jax.ShapeDtypeStruct:
+    """The aval of ``jax.random.PRNGKey(0)`` for the default PRNG implementation (traced once:
+    the key is checked on every call)."""
+    return jax.eval_shape(jax.random.PRNGKey, 0)
+
+
 def _check_key(aval: Any) -> None:
     """Raises PipelineError unless ``aval`` is one PRNG key: a typed key of shape () or a raw
     uint32 key of the default implementation's shape (``jax.random.PRNGKey``)."""
@@ -164,7 +171,7 @@ def _check_key(aval: Any) -> None:
     elif jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
         ok = aval.shape == ()
     else:
-        raw = jax.eval_shape(jax.random.PRNGKey, 0)
+        raw = _raw_key_aval()
         ok = aval.dtype == raw.dtype and aval.shape == raw.shape
     if not ok:
         got = _shapes_text([aval]) if isinstance(aval, jax.ShapeDtypeStruct) else repr(aval)
@@ -178,14 +185,10 @@ def _check_key(aval: Any) -> None:
 def _whole_number(name: str, value: Any, at_least: int = 1) -> int:
     """Returns ``value`` as an int (a Python or NumPy integer, not a bool) or raises
     PipelineError naming ``name``."""
-    if not isinstance(value, bool | np.bool_):
-        try:
-            number = operator.index(value)
-        except TypeError:
-            number = None
-        if number is not None and number >= at_least:
-            return number
-    raise PipelineError(f"{name}={value!r}; it must be an int >= {at_least}")
+    number = integer(value)
+    if number is None or number < at_least:
+        raise PipelineError(f"{name}={value!r}; it must be an int >= {at_least}")
+    return number
 
 
 def _flag(name: str, value: Any, allow_none: bool = False) -> Any:
@@ -739,10 +742,9 @@ class Pipeline:
         if isinstance(params, StagedParams):
             built = self._require_built("pipe.value_and_grad with staged params")
             self._check_staged(params, built)
-            params_avals = jax.tree_util.tree_unflatten(self._params_treedef, self._params_avals)
         else:
-            self._check_params(params)
-            params_avals = _avals(params, "params")
+            self._check_params(params)  # the params' avals are this pipeline's from here on
+        params_avals = jax.tree_util.tree_unflatten(self._params_treedef, self._params_avals)
         key_aval = None if key is None else _avals(key, "key")
         if key_aval is not None:
             _check_key(key_aval)

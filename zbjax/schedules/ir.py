@@ -25,17 +25,26 @@ KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
 _ACTION_RE = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
 
 
-def as_index(what: str, value: object) -> int:
-    """Returns ``value`` as an int (a Python or NumPy integer); raises ScheduleError naming
-    ``what`` for anything else (a float such as 1.7 would otherwise be truncated, silently)."""
+def integer(value: object) -> int | None:
+    """Returns ``value`` as an int if it is a Python or NumPy integer (not a bool), else None:
+    a float such as 1.7 is not taken (``int()`` would truncate it, silently)."""
     if type(value) is int:
         return value
-    if not isinstance(value, bool | np.bool_):
-        try:
-            return operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            pass
-    raise ScheduleError(f"{what} = {value!r} is not an integer")
+    if isinstance(value, bool | np.bool_):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def as_index(what: str, value: object) -> int:
+    """Returns ``value`` as an int (``integer``); raises ScheduleError naming ``what`` for
+    anything else."""
+    number = integer(value)
+    if number is None:
+        raise ScheduleError(f"{what} = {value!r} is not an integer")
+    return number
 
 
 @dataclass(frozen=True, order=True)
