@@ -243,6 +243,55 @@ def test_scan_layers_split_along_their_stacked_axis_are_refused():
         pipe.value_and_grad(params, gpt.make_batch(jax.random.key(1), cfg, 16))
 
 
+def _permuting_stage(kind):
+    """A two-stage model whose first stage XLA partitions over tp with a collective-permute:
+    a fused gate/up kernel split by columns then jnp.split, jnp.roll along a split hidden
+    dimension, or a scan over layers split along the layer axis, inside the stage."""
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape) * 0.2, jnp.float32)
+
+    if kind == "scan":
+        params, specs = {"w1": normal(4, D, D), "w3": normal(D, D)}, {"w1": P("tp"), "w3": None}
+    else:
+        params = {"w13": normal(D, 2 * H), "w2": normal(H, D), "w3": normal(D, D)}
+        specs = {"w13": P(None, "tp"), "w2": P("tp", None), "w3": None}
+
+    def block(p, x):
+        if kind == "scan":
+            return jax.lax.scan(lambda x, w: (x + jnp.tanh(x @ w), None), x, p["w1"])[0]
+        if kind == "fused":
+            a, g = jnp.split(x @ p["w13"], 2, axis=-1)
+            return x + (jax.nn.silu(a) * g) @ p["w2"]
+        return x + jnp.roll(jnp.tanh(x @ p["w13"]), 1, axis=-1)[:, :H] @ p["w2"]
+
+    def loss_fn(p, b):
+        x = zbjax.stage_boundary(block(p, b["x"]))
+        return jnp.mean((x @ p["w3"] - b["y"]) ** 2)
+
+    batch = {"x": normal(16, D), "y": normal(16, D)}
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=_mesh(), schedule="1f1b", num_microbatches=2, param_specs=specs
+    )
+    return pipe, params, batch
+
+
+@pytest.mark.parametrize("kind, call", [("fused", "call"), ("roll", "jit"), ("scan", "lower")])
+def test_stage_collective_permutes_are_refused_before_they_would_hang(kind, call):
+    """A collective-permute among one stage's devices inside its conditional never completes
+    on XLA:CPU (the rendezvous waits 40 s for all 8 devices, then aborts the process); the
+    compiled step is read before it runs, called directly, inside a user's jit, or lowered."""
+    pipe, params, batch = _permuting_stage(kind)
+    run = {
+        "call": pipe.value_and_grad,
+        "jit": jax.jit(pipe.value_and_grad),
+        "lower": pipe.lower,
+    }[call]
+    with pytest.raises(PipelineError, match=r"would hang: .*tensor axis 'tp'.*\(F s0: "):
+        run(params, batch)
+
+
 def test_split_activations_stay_split_in_the_slot_pools():
     """The MLP's hidden activations come out of F split over tp (column-parallel w1); the slots
     keep each device's part, so nothing is gathered and the pools hold half of them."""

@@ -5,7 +5,9 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import zbjax
 from models import mlp
@@ -15,6 +17,7 @@ from zbjax.trace import (
     ActionTimes,
     action_runs,
     action_times,
+    branch_permutes,
     hlo_ops,
     op_seconds,
     scope_cost,
@@ -58,6 +61,28 @@ def _event(op, dur, device=None, module="jit_step", pid=1, ts=0.0):
     if device is not None:
         args["device_ordinal"] = str(device)
     return {"ph": "X", "pid": pid, "tid": 7, "name": op, "ts": ts, "dur": dur, "args": args}
+
+
+def test_branch_permutes_lists_the_collective_permutes_inside_conditionals():
+    """The permute under the cond (in its branch, inside a loop there) is listed with its
+    pairs and name stack; the one on every device, outside the cond, is not."""
+    mesh = jax.sharding.Mesh(jax.devices()[:8], ("x",))
+
+    def shift(v, step):
+        return jax.lax.ppermute(v, "x", [(i, (i + step) % 8) for i in range(8)])
+
+    def body(v, flag):
+        v = shift(v, 1)
+        inner = jax.named_scope("inner")(
+            lambda v: jax.lax.fori_loop(0, 2, lambda i, v: shift(v, 2) * 2, v)
+        )
+        return jax.lax.cond(flag[0], inner, lambda v: v, v)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    hlo = step.lower(jnp.ones(8), jnp.ones(8, bool)).compile().as_text()
+    found = branch_permutes(hlo)
+    assert [p.pairs for p in found] == [tuple((i, (i + 2) % 8) for i in range(8))]
+    assert "inner" in found[0].op_name
 
 
 def test_hlo_ops_place_every_instruction_in_its_action_exchanges_or_between():

@@ -75,7 +75,7 @@ from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule, integer
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
-from zbjax.tensor import check_row_splits, leaf_splits, tensor_axis
+from zbjax.tensor import check_row_splits, check_stage_permutes, leaf_splits, tensor_axis
 from zbjax.trace import ActionTimes, action_times, make_output_dir
 
 #: Schedules that put two stages on every device.
@@ -307,6 +307,7 @@ class Pipeline:
         self._built: dict[Any, _Built] = {}
         self._last: _Built | None = None
         self._last_inputs: tuple | None = None  # avals of the latest call, for report()
+        self._permutes_checked: set[int] = set()  # id(_Built) whose compiled step was checked
 
     # ------------------------------------------------------------------ public surface
 
@@ -337,13 +338,16 @@ class Pipeline:
         built = self._get(params, batch, key)
         if buffers is not None:
             self._check_buffers(buffers, built)
+            self._check_permutes(built, built.step_with_pools, params, batch, key, buffers)
             return built.step_with_pools(params, batch, key, buffers)
         if self.keep_buffers and not _traced((params, batch, key)):
             # The arenas of the previous call are donated to this one, so no step spends time
             # allocating and initialising them.
             pools = self._pools.pop(id(built), None) or _new_buffers(built)
+            self._check_permutes(built, built.step_with_pools, params, batch, key, pools)
             loss, grads, self._pools[id(built)] = built.step_with_pools(params, batch, key, pools)
             return loss, grads
+        self._check_permutes(built, built.step, params, batch, key)
         return built.step(params, batch, key)
 
     def init_buffers(self, params: Any, batch: Any, key: jax.Array | None = None) -> Buffers:
@@ -366,7 +370,9 @@ class Pipeline:
         built = self._get(params, batch, key)
         if buffers is not None:
             self._check_buffers(buffers, built)
+            self._check_permutes(built, built.step_with_pools, params, batch, key, buffers)
             return built.step_with_pools.lower(params, batch, key, buffers)
+        self._check_permutes(built, built.step, params, batch, key)
         return built.step.lower(params, batch, key)
 
     def profile(
@@ -395,6 +401,7 @@ class Pipeline:
             make_output_dir("trace_dir", trace_dir)
         built = self._get(params, batch, key)
         held = [_new_buffers(built)]
+        self._check_permutes(built, built.step_with_pools, params, batch, key, held[0])
         compiled = built.step_with_pools.lower(params, batch, key, held[0]).compile()
 
         def run():
@@ -429,6 +436,21 @@ class Pipeline:
                 statistics.median(untraced),
                 statistics.mean(traced),
             )
+
+    def _check_permutes(self, built: _Built, step: Any, *args: Any) -> None:
+        """Raises PipelineError before a tensor-parallel step that would hang on XLA:CPU
+        (``tensor.check_stage_permutes``), read from ``step`` compiled for ``args`` once per
+        build. The compiled step is cached, so the call that follows does not compile again
+        (inside a user's ``jit``, whose program is compiled as a whole, it is a compile more)."""
+        if (
+            self.tensor_axis is None
+            or id(built) in self._permutes_checked
+            or self.mesh.devices.flat[0].platform != "cpu"
+        ):
+            return
+        hlo = step.lower(*args).compile().as_text()
+        check_stage_permutes(hlo, self.mesh, self.axis_name, self.tensor_axis)
+        self._permutes_checked.add(id(built))
 
     def _check_buffers(self, buffers: Any, built: _Built) -> None:
         if not isinstance(buffers, Buffers):

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from zbjax._jax_compat import scan_counts, shard_map
 from zbjax.errors import PipelineError
+from zbjax.trace import ACTION_SCOPE, branch_permutes, scope_order
 
 
 def split_spec(axis: str, split: int | None) -> PartitionSpec:
@@ -298,6 +299,51 @@ _ELEMENTWISE = frozenset(
 _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
 )
+
+
+def check_stage_permutes(hlo_text: str, mesh: Any, pipeline_axis: str, axis: str) -> None:
+    """Raises PipelineError when the compiled step ``hlo_text`` would hang on XLA:CPU: a
+    collective-permute among the devices of one pipeline position (XLA's partitioning of a
+    stage over tensor ``axis``) inside a conditional, which only that stage's devices take.
+
+    XLA:CPU runs a collective-permute only once every device of the program has reached it
+    (its rendezvous waits for all of them, 40 s, then aborts the process), so one that only
+    some devices run never completes. All-reduces and all-gathers wait for their groups only.
+    The pipeline's own transfers (between positions) run on every device and are not counted.
+    """
+    if mesh.shape[pipeline_axis] < 2:
+        return
+    where = mesh.axis_names.index(pipeline_axis)
+
+    def position(partition: int) -> int:
+        return int(np.unravel_index(partition, mesh.devices.shape)[where])
+
+    ops: dict[str, list[str]] = {}
+    for permute in branch_permutes(hlo_text):
+        if permute.pairs and all(position(a) == position(b) for a, b in permute.pairs):
+            scopes = ACTION_SCOPE.findall(permute.op_name)
+            op = permute.op_name.rsplit("/", 1)[-1] or "?"
+            names = ops.setdefault(scopes[-1] if scopes else "a stage", [])
+            if op not in names:
+                names.append(op)
+    if not ops:
+        return
+    shown = "; ".join(
+        f"{scope}: {', '.join(names)}"
+        for scope, names in sorted(ops.items(), key=lambda kv: scope_order(kv[0]))
+    )
+    raise PipelineError(
+        f"this step would hang: XLA partitions the stages over tensor axis {axis!r} with "
+        f"collective-permutes inside the actions ({shown}), but each stage runs in a "
+        "conditional that only its devices take, and XLA:CPU runs a collective-permute only "
+        "once every device of the program reaches it (the step would wait 40 s and abort the "
+        "process). XLA permutes where a stage moves data along a split dimension: jnp.split "
+        "or a slice of the output of a kernel split by columns (a fused gate/up or qkv kernel "
+        "whose parts do not lie block by block: give each part a leaf of its own), "
+        "jnp.roll, jnp.concatenate or jnp.pad along a split dimension, or a lax.scan over a "
+        "leaf split along the scanned (layer) axis (split another dimension). Change that "
+        "code, or leave those leaves out of param_specs"
+    )
 
 
 def value_splits(closed: Any, in_splits: Sequence[int | None], size: int) -> list[int | None]:

@@ -126,6 +126,88 @@ def hlo_ops(hlo_text: str) -> HloOps:
     return HloOps(module.group(1), scope, frozenset(control))
 
 
+_CALLS = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation|"
+    r"branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_PAIR = re.compile(r"\{(\d+),(\d+)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+@dataclass(frozen=True)
+class Permute:
+    """A collective-permute of a compiled module: its ``op_name`` metadata (the JAX name stack
+    and primitive it came from) and its (source, target) partition pairs."""
+
+    op_name: str
+    pairs: tuple[tuple[int, int], ...]
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """Returns each computation's instruction lines by name: a computation starts at an
+    unindented line ending in ``{`` (``%name (params) -> shape {`` or ``ENTRY ...``) and ends at
+    a line ``}``."""
+    comps: dict[str, list[str]] = {}
+    body: list[str] | None = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            words = line.split()
+            name = words[1] if words[0] == "ENTRY" else words[0]
+            body = comps.setdefault(name.lstrip("%"), [])
+        elif line.strip() == "}":
+            body = None
+        elif body is not None:
+            body.append(line)
+    return comps
+
+
+def branch_permutes(hlo_text: str) -> list[Permute]:
+    """Returns the collective-permutes of the compiled module ``hlo_text``
+    (``Compiled.as_text()``) that run inside a branch of a conditional: in a branch
+    computation or one it calls (a loop, a fusion, a nested conditional)."""
+    comps = _computations(hlo_text)
+    calls: dict[str, set[str]] = {name: set() for name in comps}
+    roots: set[str] = set()
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if m is None:
+                continue
+            called = {
+                c.strip().lstrip("%")
+                for group in _CALLS.findall(m.group(2))
+                for c in group.strip("{}").split(",")
+                if c.strip()
+            }
+            calls[name] |= called
+            if _opcode(m.group(2)) == "conditional":
+                roots |= called
+    inside: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in inside:
+            inside.add(name)
+            todo.extend(calls.get(name, ()))
+    found = []
+    for name in sorted(inside):
+        for line in comps.get(name, ()):
+            m = _INSTRUCTION.match(line)
+            if m is None or not _opcode(m.group(2)).startswith("collective-permute"):
+                continue
+            pairs = _PAIRS.search(m.group(2))
+            op_name = _OP_NAME.search(m.group(2))
+            found.append(
+                Permute(
+                    op_name.group(1) if op_name else "",
+                    tuple(
+                        (int(a), int(b)) for a, b in _PAIR.findall(pairs.group(1) if pairs else "")
+                    ),
+                )
+            )
+    return found
+
+
 def trace_events(trace_dir: str | Path) -> list[dict[str, Any]]:
     """Returns the events of the newest ``*.trace.json.gz`` that ``jax.profiler`` wrote under
     ``trace_dir``."""
