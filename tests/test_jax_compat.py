@@ -289,6 +289,15 @@ def test_same_jaxpr_holds_for_one_program_traced_twice_and_not_for_any_change():
 
     assert with_table(table).consts and same_jaxpr(with_table(table), with_table(table.copy()))
     assert not same_jaxpr(with_table(table), with_table(table + 1))
+    # 0.0 == -0.0, but 1 / x tells them apart: literals and constants compare by their bits.
+    assert not same_jaxpr(with_table(table * 0), with_table(table * -0.0))
+    assert not same_jaxpr(
+        jax.make_jaxpr(lambda x: x / 0.0)(x), jax.make_jaxpr(lambda x: x / -0.0)(x)
+    )
+    nan = np.full(4, np.nan, np.float32)
+    assert same_jaxpr(with_table(nan), with_table(nan.copy()))
+    bf16 = np.zeros(4, jnp.bfloat16)
+    assert not same_jaxpr(with_table(bf16), with_table(-bf16))
 
     # Nested jaxprs (a scan's body) are compared the same way.
     xs = jnp.ones((5, 3, 4))

@@ -583,16 +583,26 @@ def _same_value(x: Any, y: Any) -> bool:
         )
     if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
         return False  # a traced constant: its value is unknown here
-    if isinstance(x, np.ndarray | jax.Array) or isinstance(y, np.ndarray | jax.Array):
+    if isinstance(x, np.ndarray | jax.Array | np.generic) or isinstance(
+        y, np.ndarray | jax.Array | np.generic
+    ):
         if np.shape(x) != np.shape(y) or np.result_type(x) != np.result_type(y):
             return False
-        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
+        return _same_bits(np.asarray(x), np.asarray(y))
     if type(x) is not type(y):
         return False
+    if isinstance(x, float | complex):
+        return _same_bits(np.asarray(x), np.asarray(y))
     try:
         return bool(x == y)
     except Exception:  # noqa: BLE001 - a value without a usable equality: treat as different
         return False
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether two arrays of one shape and dtype hold the same bits: 0.0 and -0.0 differ (they
+    give different results: 1 / x), and a NaN equals the same NaN."""
+    return np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()
 
 
 def _same_open(a: Jaxpr, b: Jaxpr) -> bool:
