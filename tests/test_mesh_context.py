@@ -28,6 +28,8 @@ GPT_CFG = gpt.GPTConfig(
     vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2, stage_boundaries=(0,)
 )
 
+MLP_CFG = mlp.MLPConfig(in_dim=8, width=16, depth=2, out_dim=4, stage_boundaries=(1,))
+
 
 def mesh_2x2(names, axis_type):
     return jax.make_mesh((2, 2), names, axis_types=(axis_type,) * 2, devices=jax.devices()[:4])
@@ -51,6 +53,44 @@ def test_gpt_pipelined_inside_set_mesh_inside_jit_equals_value_and_grad(axis_typ
     with jax.set_mesh(mesh):
         result = jax.jit(pipe.value_and_grad)(params, batch)
     assert_close(result, reference_value_and_grad(loss_fn, params, batch, 2))
+
+
+@pytest.mark.parametrize("spec", [P("dp"), P(("pp", "dp")), P("pp"), P(None, "dp")])
+def test_a_batch_sharded_over_explicit_axes_is_split_into_microbatches(spec):
+    """A batch put on an explicit-axes mesh (the usual way to feed data parallelism) keeps its
+    rows' axes through the microbatch split, or drops them where a microbatch's rows do not
+    divide over them: the reshape once raised JAX's ShardingTypeError."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 16)
+    mesh = jax.make_mesh((2, 4), ("pp", "dp"), axis_types=(EXPLICIT,) * 2)
+    sharded = jax.device_put(batch, NamedSharding(mesh, spec))
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    with jax.set_mesh(mesh):
+        result = pipe.value_and_grad(params, sharded)
+        reference = reference_value_and_grad(loss_fn, params, sharded, 2, data_parallel=4)
+    assert_close(result, reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=4))
+    assert_close(reference, result)
+
+
+def test_inputs_committed_to_other_devices_are_named():
+    """Params restored to one device (jax.value_and_grad takes them) failed with JAX's
+    "incompatible devices" naming zbjax internals; the leaf and the fix are named now."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    mesh = mesh_2x2(("pp", "dp"), AUTO)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    on_one = jax.device_put(params, jax.devices()[0])
+    with pytest.raises(zbjax.PipelineError, match=r"params leaf \[.*committed to device \[0\]"):
+        pipe.value_and_grad(on_one, batch)
+    with pytest.raises(zbjax.PipelineError, match=r"batch leaf .* jax.device_put\(batch"):
+        pipe.lower(params, jax.device_put(batch, jax.devices()[5]))
+    staged = pipe.stage(on_one, batch)  # staging moves them onto the mesh
+    assert_close(
+        (lambda r: (r[0], pipe.unstage(r[1])))(pipe.value_and_grad(staged, batch)),
+        reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2),
+    )
 
 
 def _annotated_loss(mesh, spec, *, bare=False):

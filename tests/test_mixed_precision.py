@@ -137,3 +137,27 @@ def test_a_bfloat16_loss_is_returned_in_bfloat16_as_value_and_grad_does():
     ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x)
     assert loss.dtype == ref_loss.dtype == jnp.bfloat16
     _check(loss.astype(jnp.float32), grads, ref_loss.astype(jnp.float32), ref_grads)
+
+
+def test_a_python_scalar_param_stays_weakly_typed_then_an_array_param_promotes():
+    """``bf16 * p["scale"]`` stays bfloat16 for a Python float, as under jax.value_and_grad
+    (it was traced as a float32 array, the loss came back float32); after an optimizer
+    step the scale is a float32 array and the same pipeline traces the step again for it."""
+
+    def loss_fn(params, x):
+        h = jnp.tanh(x.astype(jnp.bfloat16) @ params["w0"].astype(jnp.bfloat16)) * params["scale"]
+        h = zbjax.stage_boundary(h)
+        return jnp.mean((h @ params["w1"].astype(jnp.bfloat16)) ** 2)
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    params = {"w0": jax.random.normal(keys[0], (16, 16)) / 4, "scale": 1.5}
+    params["w1"] = jax.random.normal(keys[1], (16, 16)) / 4
+    x = jax.random.normal(keys[2], (8, 16))
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    for scale, dtype in ((1.5, jnp.bfloat16), (jnp.float32(1.25), jnp.float32)):
+        given = {**params, "scale": scale}
+        loss, grads = pipe.value_and_grad(given, x)
+        ref_loss, ref_grads = jax.value_and_grad(loss_fn)(given, x)
+        assert loss.dtype == ref_loss.dtype == dtype
+        _check(loss.astype(jnp.float32), grads, ref_loss.astype(jnp.float32), ref_grads)

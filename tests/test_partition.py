@@ -269,21 +269,37 @@ def test_microbatch_shapes_come_from_one_split_microbatch():
     assert graph.batch_avals[0].shape == (1, 8)
 
 
-def test_markers_inside_checkpoint_and_custom_jvp_functions_are_seen():
-    @jax.custom_jvp
-    def sine(h):
-        return zbjax.stage_boundary(jnp.sin(h))
-
-    sine.defjvp(lambda primals, tangents: (sine(primals[0]), jnp.cos(primals[0]) * tangents[0]))
+def test_markers_inside_checkpoint_functions_are_seen():
     block = jax.checkpoint(lambda h, w: zbjax.stage_boundary(jnp.tanh(h @ w)))
 
     def loss_fn(w, x):
-        return jnp.mean(sine(block(x, w)) @ w)
+        return jnp.mean(jnp.sin(zbjax.stage_boundary(block(x, w))) @ w)
 
     w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
     graph = partition(loss_fn, w, x)
     assert graph.num_stages == 3
     np.testing.assert_allclose(run_stages(graph, w, x), loss_fn(w, x), rtol=RTOL, atol=ATOL)
+
+
+def test_markers_inside_custom_jvp_and_custom_vjp_functions_are_refused():
+    """A custom rule covers its whole function: cutting it would differentiate the body and
+    drop the rule (a custom_jvp function was once inlined so, its rule silently ignored)."""
+
+    @jax.custom_jvp
+    def sine(h):
+        return zbjax.stage_boundary(jnp.sin(h))
+
+    sine.defjvp(lambda primals, tangents: (sine(primals[0]), 3.0 * tangents[0]))
+
+    @jax.custom_vjp
+    def cosine(h):
+        return zbjax.stage_boundary(jnp.cos(h))
+
+    cosine.defvjp(lambda h: (cosine(h), h), lambda h, g: (-jnp.sin(h) * g,))
+    w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
+    for fn, kind in ((sine, "jvp"), (cosine, "vjp")):
+        with pytest.raises(PartitionError, match=f"inside a jax.custom_{kind} function.*outside"):
+            partition(lambda w, x, fn=fn: jnp.mean(fn(x @ w)), w, x)
 
 
 def test_auto_cut_splits_a_reverse_scan_and_keeps_its_stacked_outputs_in_order():

@@ -765,6 +765,10 @@ def test_integer_params_get_zero_gradients_of_their_own_dtype_under_data_paralle
             assert grads[name].dtype == params[name].dtype
             np.testing.assert_array_equal(grads[name], 0)
         assert_close((loss, {k: grads[k] for k in floats}), (ref_loss, ref_grads))
+    # The microbatched reference takes the integer leaves too (it raised JAX's TypeError).
+    ref = zbjax.reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2)
+    assert jax.tree.map(lambda g: g.dtype, ref[1]) == jax.tree.map(lambda g: g.dtype, grads)
+    assert_close(ref, (loss, grads))
 
 
 def callback_loss(params, batch, seen=None):

@@ -8,11 +8,13 @@ loss that is a mean over its batch and uses no key, that equals the full-batch v
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax.errors import PipelineError
 
@@ -42,8 +44,29 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
                 f"divisible by num_microbatches={num_microbatches}; use a batch size that is a "
                 f"multiple of {num_microbatches} or a num_microbatches that divides {shape[0]}"
             )
-        out.append(jnp.reshape(leaf, (num_microbatches, shape[0] // num_microbatches) + shape[1:]))
+        out.append(_split_rows(leaf, (num_microbatches, shape[0] // num_microbatches) + shape[1:]))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _split_rows(leaf: Any, shape: tuple[int, ...]) -> Any:
+    """Returns ``leaf`` reshaped to ``shape`` = ``[m, rows, ...]``. A leaf whose type names
+    explicit mesh axes (a batch put on a ``jax.make_mesh`` mesh with ``P("dp")``) keeps them on
+    its rows, or drops them first where a microbatch's rows do not divide over them: JAX does
+    not choose the sharding of such a reshape itself."""
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()))
+    if not any(entry is not None for entry in spec):
+        return jnp.reshape(leaf, shape)
+    mesh = sharding.mesh
+    spec += (None,) * (len(shape) - 1 - len(spec))
+    rows, rest = spec[0], spec[1:]
+    names = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+    if shape[1] % math.prod(mesh.shape[name] for name in names):
+        leaf = jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec(None, *rest)))
+        rows = None
+    return jax.lax.reshape(
+        leaf, shape, out_sharding=NamedSharding(mesh, PartitionSpec(None, rows, *rest))
+    )
 
 
 def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
@@ -55,6 +78,13 @@ def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
     result shape ``[m, 2]``).
     """
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_microbatches))
+
+
+def _zero_if_float0(grad: Any, param: Any) -> Any:
+    """``grad``, or zeros of ``param``'s dtype where JAX gives an integer leaf a float0 one."""
+    if jnp.result_type(grad) == jax.dtypes.float0:
+        return jnp.zeros(jnp.shape(param), jnp.result_type(param))
+    return grad
 
 
 def reference_value_and_grad(
@@ -87,7 +117,13 @@ def reference_value_and_grad(
             f"rows ({sorted(rows)} per microbatch); use a batch size that is a multiple of "
             f"{num_microbatches * max(data_parallel, 1)}"
         )
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    # Integer (and bool) leaves get zero gradients of their own dtype, as the pipeline gives.
+    differentiate = jax.value_and_grad(loss_fn, has_aux=has_aux, allow_int=True)
+
+    def value_and_grad(params, *args):
+        value, grads = differentiate(params, *args)
+        return value, jax.tree.map(_zero_if_float0, grads, params)
+
     keys = None if key is None else microbatch_keys(key, num_microbatches)
     value_sum = None
     grad_sum = None

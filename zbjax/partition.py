@@ -74,8 +74,9 @@ AUTO_SLACK = 0.03
 # Call wrappers whose body is inlined into the flat program: they only name or jit a function.
 _INLINE_ALWAYS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 # Wrappers inlined only when their body holds a marker: inlining them changes how the body is
-# differentiated (a custom JVP rule) or rematerialised, so they are kept whole otherwise.
-_INLINE_IF_MARKED = frozenset({"custom_jvp_call", "checkpoint", "remat", "remat2"})
+# rematerialised, so they are kept whole otherwise. (A custom_jvp function holding a marker is
+# refused, as a custom_vjp one is: inlining it would differentiate its body, not its rule.)
+_INLINE_IF_MARKED = frozenset({"checkpoint", "remat", "remat2"})
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,16 @@ def stage_summary(graph: StageGraph) -> str:
 
 def _flat_avals(tree: Any) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    # Python scalars have no .dtype; they get the dtype JAX would give them.
-    avals = tuple(
-        jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
-        for x in leaves
-    )
-    return avals, treedef
+    return tuple(_leaf_struct(x) for x in leaves), treedef
+
+
+def _leaf_struct(x: Any) -> jax.ShapeDtypeStruct:
+    """The aval JAX traces ``x`` with: a Python scalar has no .dtype, gets the dtype JAX would
+    give it and stays weakly typed, as under ``jax.value_and_grad``."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=jax.typeof(x).weak_type)
 
 
 def _traced(
@@ -426,8 +431,16 @@ def _inline_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
             "cond": "a lax.cond/switch branch",
             "while": "a lax.while_loop/fori_loop body",
             "scan": "a lax.scan body (e.g. Flax nn.scan)",
-            "custom_vjp_call": "a jax.custom_vjp function (kept whole for its backward rule)",
         }.get(name, f"the body of a {name!r} equation")
+        if name.startswith(("custom_vjp_call", "custom_jvp_call")):
+            kind = "jvp" if name == "custom_jvp_call" else "vjp"
+            raise PartitionError(
+                f"a stage_boundary marker sits inside a jax.custom_{kind} function; its "
+                "differentiation rule covers the whole function, so a pipeline cannot cut it "
+                "into stages (differentiating its body instead would ignore the rule). Put "
+                "the stage_boundary outside the function, or give each stage's part a "
+                "custom rule of its own"
+            )
         raise PartitionError(
             f"a stage_boundary marker sits inside {where}; a pipeline cannot cut inside "
             "control flow. Move the stage_boundary outside the control flow (e.g. between "

@@ -132,9 +132,15 @@ class Buffers:
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
     """The shape and dtype ``jax.jit`` gives ``x``: a Python scalar or a NumPy array takes
-    JAX's canonical dtype (float32 for a Python float or a float64 array, without x64)."""
+    JAX's canonical dtype (float32 for a Python float or a float64 array, without x64), and a
+    Python scalar stays weakly typed (``bf16_array * p["scale"]`` stays bfloat16)."""
     dtype = x.dtype if isinstance(x, jax.Array) else jnp.result_type(x)
-    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=jax.typeof(x).weak_type)
+
+
+def _strong(avals: Sequence[jax.ShapeDtypeStruct]) -> list[tuple]:
+    """The shapes and dtypes of ``avals``, weak types left out."""
+    return [(a.shape, a.dtype) for a in avals]
 
 
 def _avals(tree: Any, what: str = "argument") -> Any:
@@ -335,6 +341,7 @@ class Pipeline:
         (on CPU a memory pass per step, which ``keep_buffers`` saves only outside a ``jit``).
         Outside a ``jit`` the buffers passed in are donated and deleted.
         """
+        self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         if buffers is not None:
             self._check_buffers(buffers, built)
@@ -367,6 +374,7 @@ class Pipeline:
 
         With ``buffers``, the step that takes them (donated) as a fourth argument and returns
         (loss, grads, buffers), as ``value_and_grad(..., buffers=)`` runs it."""
+        self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         if buffers is not None:
             self._check_buffers(buffers, built)
@@ -399,6 +407,7 @@ class Pipeline:
             raise PipelineError(f"steps={steps}; it must be at least 1")
         if trace_dir is not None:
             make_output_dir("trace_dir", trace_dir)
+        self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         held = [_new_buffers(built)]
         self._check_permutes(built, built.step_with_pools, params, batch, key, held[0])
@@ -436,6 +445,29 @@ class Pipeline:
                 statistics.median(untraced),
                 statistics.mean(traced),
             )
+
+    def _check_devices(self, **trees: Any) -> None:
+        """Raises PipelineError naming an input array committed to devices other than the
+        mesh's (``jax.device_put(x, device)``, a checkpoint restored to one device): the jitted
+        step cannot take it beside arrays on the mesh (JAX's "incompatible devices")."""
+        devices = set(self.mesh.devices.flat)
+        for what, tree in trees.items():
+            for path, x in jax.tree_util.tree_leaves_with_path(tree):
+                if (
+                    isinstance(x, jax.Array)
+                    and not isinstance(x, jax.core.Tracer)
+                    and x.committed
+                    and x.sharding.device_set != devices
+                ):
+                    ids = sorted(d.id for d in x.sharding.device_set)
+                    raise PipelineError(
+                        f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ')'} is "
+                        f"committed to device{'s' if len(ids) > 1 else ''} {ids}, not to the "
+                        f"pipeline mesh's {len(devices)} devices, so the jitted step cannot "
+                        f"take it; put the {what} on the mesh first: jax.device_put({what}, "
+                        "NamedSharding(mesh, PartitionSpec()))"
+                        + (" or pipe.stage(params)" if what == "params" else "")
+                    )
 
     def _check_permutes(self, built: _Built, step: Any, *args: Any) -> None:
         """Raises PipelineError before a tensor-parallel step that would hang on XLA:CPU
@@ -739,7 +771,7 @@ class Pipeline:
         avals = tuple(aval for _, aval in with_paths)
         if self._params_treedef is None:
             self._params_treedef, self._params_avals = treedef, avals
-        elif treedef != self._params_treedef or avals != self._params_avals:
+        elif treedef != self._params_treedef or _strong(avals) != _strong(self._params_avals):
             raise PipelineError(
                 "params do not match the structure this pipeline was traced with:\n"
                 f"  expected tree {self._params_treedef}\n  given tree    {treedef}\n"
@@ -747,6 +779,9 @@ class Pipeline:
                 f"  given shapes    {_shapes_text(avals)}\n"
                 "pass params with the same structure, or build a new zbjax.pipeline"
             )
+        # A Python scalar param is weakly typed and an array after an optimizer step: the
+        # step is traced again for it (as jax.jit would), into the same staged layout.
+        self._params_avals = avals
         return leaves
 
     def _check_staged(self, staged: StagedParams, built: _Built) -> None:
@@ -772,6 +807,7 @@ class Pipeline:
             _check_key(key_aval)
         batch_avals = _avals(batch, "batch")
         cache_key = (
+            tuple(a.weak_type for a in self._params_avals),
             jax.tree_util.tree_structure(batch),
             tuple(jax.tree.leaves(batch_avals)),
             None if key_aval is None else (key_aval.shape, str(key_aval.dtype)),
