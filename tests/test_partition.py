@@ -1,6 +1,7 @@
 """partition: stages cut at markers or balanced by cost, edges, leaves, errors."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -279,6 +280,22 @@ def test_markers_inside_checkpoint_functions_are_seen():
     graph = partition(loss_fn, w, x)
     assert graph.num_stages == 3
     np.testing.assert_allclose(run_stages(graph, w, x), loss_fn(w, x), rtol=RTOL, atol=ATOL)
+
+
+def test_a_marker_whose_output_is_unused_makes_no_cut_and_says_so():
+    def loss_fn(w, x):
+        h = jnp.tanh(x @ w)
+        zbjax.stage_boundary(h * 3)  # its output is never read
+        h = zbjax.stage_boundary(h)
+        return jnp.mean(jnp.tanh(h @ w))
+
+    w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
+    with pytest.warns(UserWarning, match="stage_boundary 2 times, but the outputs of 1 of them"):
+        graph = partition(loss_fn, w, x)
+    assert graph.num_stages == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        partition(lambda w, x: jnp.mean(zbjax.stage_boundary(jnp.tanh(x @ w)) @ w), w, x)
 
 
 def test_markers_inside_custom_jvp_and_custom_vjp_functions_are_refused():

@@ -310,9 +310,32 @@ def _trace(
         )
     with no_mesh_context():
         flat = _inline_calls(closed)
-    return _Program(
-        _dce(flat.jaxpr), tuple(flat.consts), num_params, aux[0][0] if has_aux else None
+    live = _dce(flat.jaxpr)
+    _warn_unused_markers(_count_markers(closed.jaxpr), _count_markers(live))
+    return _Program(live, tuple(flat.consts), num_params, aux[0][0] if has_aux else None)
+
+
+def _count_markers(jaxpr: Jaxpr) -> int:
+    """The stage_boundary calls in ``jaxpr``, those in called functions counted per call."""
+    return sum(
+        is_stage_boundary(eqn) + sum(_count_markers(sub) for sub in _sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
     )
+
+
+def _warn_unused_markers(called: int, used: int) -> None:
+    """Warns when markers were dropped as dead code: a marker cuts where its output is read,
+    so one whose output nothing reads makes no stage (and the counts in later messages would
+    not match the calls in the user's code)."""
+    if used < called:
+        warnings.warn(
+            f"loss_fn calls zbjax.stage_boundary {called} times, but the outputs of "
+            f"{called - used} of them are never used, so those make no cut ({used} markers, "
+            f"{used + 1} stages): a marker cuts where its output is read. Use each marker's "
+            "output in place of its input (x = zbjax.stage_boundary(x)), or remove the "
+            "unused ones",
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _check_arity(loss_fn: Callable[..., Any], with_key: bool) -> None:
