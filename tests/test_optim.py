@@ -111,6 +111,24 @@ def test_per_leaf_equals_the_optimizer_on_the_user_tree_with_scan_rows_split_ove
     _check(scan_case, name)
 
 
+def test_flax_train_state_holds_staged_params(tied_case):
+    """TrainState.create / apply_gradients ask whether the params hold
+    "overwrite_with_gradient", which raised a TypeError on staged params."""
+    from flax.training import train_state
+
+    pipe, params, staged, grads, ref_grads = tied_case
+    tx = optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(optax.adamw(1e-2)))
+    state = train_state.TrainState.create(apply_fn=None, params=staged, tx=tx)
+    for _ in range(2):
+        state = state.apply_gradients(grads=grads)
+    want = two_steps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), params, ref_grads
+    )
+    assert int(state.step) == 2
+    for row, want_row in zip(state.params.rows, pipe.stage(want).rows, strict=True):
+        np.testing.assert_allclose(row, want_row, rtol=1e-5, atol=1e-6)
+
+
 def test_a_mask_on_the_staged_rows_without_per_leaf_decays_every_leaf(tied_case):
     # Why per_leaf exists: the mask sees the rows (two-dimensional), not the model's leaves.
     pipe, params, staged, grads, ref_grads = tied_case

@@ -298,6 +298,16 @@ def test_a_marker_whose_output_is_unused_makes_no_cut_and_says_so():
         partition(lambda w, x: jnp.mean(zbjax.stage_boundary(jnp.tanh(x @ w)) @ w), w, x)
 
 
+def test_an_auto_cut_of_a_model_inside_one_checkpoint_names_the_checkpoint():
+    def loss_fn(w, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w))
+
+    w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
+    assert partition(jax.jit(loss_fn), w, x, num_stages=2).num_stages == 2
+    with pytest.raises(PartitionError, match=r"only 1 pieces.*jax.checkpoint \(nn.remat\) region"):
+        partition(jax.checkpoint(loss_fn), w, x, num_stages=2)
+
+
 def test_markers_inside_custom_jvp_and_custom_vjp_functions_are_refused():
     """A custom rule covers its whole function: cutting it would differentiate the body and
     drop the rule (a custom_jvp function was once inlined so, its rule silently ignored)."""

@@ -631,7 +631,13 @@ def test_integral_numpy_counts_are_taken_and_a_string_leaf_is_named(mlp_setup):
 def test_zb_v_without_two_stages_per_device_is_rejected(mlp_setup):
     loss_fn, params, batch, _ = mlp_setup
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-v", num_stages=3)
-    with pytest.raises(zbjax.ScheduleError, match="2 stages per device"):
+    with pytest.raises(zbjax.ScheduleError, match="2 stages per device.*pass num_stages=4"):
+        pipe.value_and_grad(params, batch)
+
+    # Two markers make three stages, which num_stages=4 cannot change: the fix is named.
+    marked = mlp.make_loss_fn(dataclasses.replace(MLP_CFG, stage_boundaries=(1, 2)))
+    pipe = zbjax.pipeline(marked, mesh=pp_mesh(2), schedule="zb-v")
+    with pytest.raises(zbjax.ScheduleError, match="2 stage_boundary markers make 3; place 3"):
         pipe.value_and_grad(params, batch)
 
 
@@ -718,6 +724,50 @@ def scalar_loss(params, batch):
     h = jnp.tanh(batch["x"] @ params["w1"]) * params["scale"]
     h = zbjax.stage_boundary(h)
     return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def test_staged_params_of_another_pipelines_layout_are_refused():
+    """1f1b (two stages) and zb-v (four, two per device) stage one model into rows of the same
+    shapes but different leaves: one's rows passed to the other ran as other layers."""
+    rng = np.random.default_rng(5)
+    params = [rng.normal(size=(8, 8)) * 0.3 for _ in range(4)]
+    batch = {"x": rng.normal(size=(8, 8)), "y": rng.normal(size=(8, 8))}
+
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    one, other = (
+        zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=s, num_microbatches=2)
+        for s in ("1f1b", "zb-v")
+    )
+    staged, theirs = one.stage(params, batch), other.stage(params, batch)
+    assert [r.shape for r in staged.rows] == [r.shape for r in theirs.rows]
+    with pytest.raises(zbjax.PipelineError, match="another pipeline's layout"):
+        other.value_and_grad(staged, batch)
+    tx = other.per_leaf(optax.sgd(0.1))
+    with pytest.raises(zbjax.PipelineError, match="another pipeline's layout"):
+        tx.init(staged)
+    with pytest.raises(zbjax.PipelineError, match="not the one per_leaf"):
+        tx.update(theirs, one.per_leaf(optax.sgd(0.1)).init(staged), theirs)
+    moved = other.stage(one.unstage(staged))
+    loss, grads = other.value_and_grad(moved, batch)
+    updates, _ = tx.update(grads, tx.init(moved), moved)
+    assert updates.layout == grads.layout == moved.layout == theirs.layout
+    assert_close((loss, other.unstage(grads)), jax.value_and_grad(loss_fn)(params, batch))
+    # Rows restored by hand carry no layout and share the tree structure of those that do, so
+    # an optimizer state made for the restore target takes them (a structure error before).
+    restored = zbjax.StagedParams(moved.rows, moved.dtypes)
+    assert restored.layout is None
+    assert jax.tree.structure(restored) == jax.tree.structure(moved)
+    adam = optax.adam(0.1)
+    loss, grads = other.value_and_grad(restored, batch)
+    updates, _ = adam.update(
+        grads, adam.init(other.stage(jax.eval_shape(lambda: params))), restored
+    )
+    optax.apply_updates(restored, updates)
 
 
 def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_them():
@@ -817,8 +867,12 @@ def test_a_key_the_loss_cannot_take_or_a_missing_one_names_the_fix(mlp_setup):
     with pytest.raises(zbjax.PartitionError, match="does not take a third argument"):
         pipe.value_and_grad(params, batch, key=jax.random.key(0))
     needs_key = zbjax.pipeline(lambda p, b, k: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2)
-    with pytest.raises(zbjax.PartitionError, match="pass key= to value_and_grad"):
-        needs_key.value_and_grad(params, batch)
+    for call in (needs_key.value_and_grad, needs_key.init_buffers, needs_key.stage):
+        # The fix names every call that takes the key (it said value_and_grad for all).
+        with pytest.raises(zbjax.PartitionError, match="pass a key to every pipeline call"):
+            call(params, batch)
+    with pytest.raises(zbjax.PipelineError, match="got a dict; params in your own layout"):
+        pipe.unstage(params)
     # Split keys or key-shaped numbers are not one key (JAX failed inside fold_in).
     for bad, shown in [
         (jax.random.split(jax.random.key(0)), r"key<fry>\[2\]"),

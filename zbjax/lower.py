@@ -1409,5 +1409,5 @@ def _run(
     args = place_for_shard_map(mesh, args, in_specs)
     totals, grad_rows, out_pools = run(*args)
     loss = low.graph.loss_and_aux(totals)
-    grads = StagedParams(grad_rows, staged.dtypes)
+    grads = StagedParams(grad_rows, staged.dtypes, low.layout.fingerprint)
     return (loss, grads) if pools is None else (loss, grads, out_pools)

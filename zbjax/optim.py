@@ -342,6 +342,13 @@ def per_leaf(
             )
         staged_layout, treedef = layout()
         widths = tuple(staged_layout.row_width(k) for k in range(len(staged_layout.dtypes)))
+        if params.layout not in (None, staged_layout.fingerprint):
+            raise PipelineError(
+                f"per_leaf(...).{what}: the staged arrays follow another pipeline's layout "
+                "(another schedule, stage count or placement puts the leaves elsewhere in the "
+                "rows); use the per_leaf of the pipeline that staged them, or stage the params "
+                "with this one: pipe.stage(other_pipe.unstage(staged))"
+            )
         if tuple(np.shape(r)[-1] for r in params.rows) != widths:
             raise PipelineError(
                 f"per_leaf(...).{what}: the staged arrays have rows of "
@@ -417,7 +424,7 @@ def per_leaf(
             return ([r[None] for r in out],)
 
         (rows,) = run(body, (list(params.rows),), (len(states.dtypes),), staged_layout.tensor_axis)
-        return StagedState(rows, states.dtypes)
+        return StagedState(rows, states.dtypes, staged_layout.fingerprint)
 
     def update(
         updates: StagedParams,
@@ -428,7 +435,11 @@ def per_leaf(
         staged_layout, treedef, views, states = setup(updates, "update")
         sizes = tuple(np.shape(r)[-1] for r in getattr(state, "rows", ()))
         widths = tuple(states.row_width(k) for k in range(len(states.dtypes)))
-        if not isinstance(state, StagedState) or (state.dtypes, sizes) != (states.dtypes, widths):
+        if (
+            not isinstance(state, StagedState)
+            or (state.dtypes, sizes) != (states.dtypes, widths)
+            or state.layout not in (None, staged_layout.fingerprint)
+        ):
             raise PipelineError(
                 "per_leaf(...).update: the optimizer state is not the one per_leaf(...).init "
                 "made for this pipeline's layout; call init on the staged params again"
@@ -475,6 +486,10 @@ def per_leaf(
             staged_layout.tensor_axis,
             extra_args,
         )
-        return StagedParams(new, updates.dtypes), StagedState(new_state, states.dtypes)
+        fingerprint = staged_layout.fingerprint
+        return (
+            StagedParams(new, updates.dtypes, fingerprint),
+            StagedState(new_state, states.dtypes, fingerprint),
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)

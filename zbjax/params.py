@@ -29,6 +29,8 @@ and data axes, the tensor axis left to the compiler) slots are read and written 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +89,23 @@ class StagedLayout:
     tensor_axis: str | None = None
     tensor_size: int = 1
     leaf_split: tuple[int | None, ...] = ()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of where every leaf lies in the rows: two layouts with the same rows' shapes
+        (another schedule, stage count or placement of one model) have different ones."""
+        where = (
+            self.dtypes,
+            self.row_size,
+            self.stage_offset,
+            self.stage_slots,
+            self.placement,
+            self.unread_slots,
+            self.tensor_axis,
+            self.tensor_size,
+            self.leaf_split,
+        )
+        return hashlib.sha1(repr(where).encode()).hexdigest()[:16]
 
     def split_of(self, slot: LeafSlot) -> int | None:
         """Returns the dimension of ``slot``'s leaf split over the tensor axis (None: none)."""
@@ -228,21 +247,50 @@ def staged_layout(
     )
 
 
+class _RowsMeta:
+    """The pytree metadata of packed rows: equal (and hashed) by the dtypes alone, so that rows
+    with and without a known layout (restored by hand: ``StagedParams(rows, dtypes)``) have one
+    tree structure, while a tree rebuilt from a structure keeps the layout it carried."""
+
+    def __init__(self, dtypes: tuple[str, ...], layout: str | None):
+        self.dtypes, self.layout = dtypes, layout
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _RowsMeta) and self.dtypes == other.dtypes
+
+    def __hash__(self) -> int:
+        return hash(self.dtypes)
+
+    def __repr__(self) -> str:
+        return repr(self.dtypes)
+
+
 class PackedRows:
     """Per dtype one ``[num_devices, n]`` array, ``rows[k]`` of dtype ``dtypes[k]``, whose row
     ``d`` lives on pipeline device ``d``; a pytree whose leaves are the rows (subclasses
     register themselves)."""
 
-    def __init__(self, rows: Sequence[jax.Array], dtypes: Sequence[str]):
+    #: ``StagedLayout.fingerprint`` of the layout the rows follow (None: not known, as for rows
+    #: put together by hand or unpickled from an older zbjax), so that rows of another
+    #: pipeline's layout are refused. It is not part of the pytree structure.
+    layout: str | None = None
+
+    def __init__(self, rows: Sequence[jax.Array], dtypes: Sequence[str], layout: str | None = None):
         self.rows = tuple(rows)
         self.dtypes = tuple(dtypes)
+        self.layout = layout
+
+    def __contains__(self, key: object) -> bool:
+        """False: the rows hold no named entries (Flax's ``TrainState`` asks whether the params
+        hold "overwrite_with_gradient" before it applies gradients)."""
+        return False
 
     def tree_flatten(self):
-        return self.rows, self.dtypes
+        return self.rows, _RowsMeta(self.dtypes, self.layout)
 
     @classmethod
-    def tree_unflatten(cls, dtypes, rows):
-        return cls(rows, dtypes)
+    def tree_unflatten(cls, meta, rows):
+        return cls(rows, meta.dtypes, meta.layout)
 
     def __repr__(self) -> str:
         shapes = ", ".join(
@@ -301,7 +349,7 @@ def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedPar
             ]
             device_rows.append(jnp.concatenate(parts) if parts else jnp.zeros(0, dt))
         rows.append(jnp.stack(device_rows))
-    return StagedParams(rows, layout.dtypes)
+    return StagedParams(rows, layout.dtypes, layout.fingerprint)
 
 
 def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, slot: LeafSlot):

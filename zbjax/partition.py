@@ -351,13 +351,14 @@ def _check_arity(loss_fn: Callable[..., Any], with_key: bool) -> None:
     except TypeError:
         if with_key:
             raise PartitionError(
-                f"value_and_grad got key=, so loss_fn is called as loss_fn(params, "
+                f"the pipeline got key=, so loss_fn is called as loss_fn(params, "
                 f"microbatch, key_i), but loss_fn{signature} does not take a third "
-                "argument; give loss_fn a key parameter, or call value_and_grad without key"
+                "argument; give loss_fn a key parameter, or call without key"
             ) from None
         raise PartitionError(
             f"loss_fn{signature} is called as loss_fn(params, microbatch), but it needs "
-            "other arguments; if it takes a PRNG key, pass key= to value_and_grad (microbatch "
+            "other arguments; if it takes a PRNG key, pass a key to every pipeline call that "
+            "takes a batch: value_and_grad, stage, lower, init_buffers, profile (microbatch "
             "i gets jax.random.fold_in(key, i)), or bind extra arguments with "
             "functools.partial"
         ) from None
@@ -777,6 +778,17 @@ def _stage_jaxpr(
 # ----------------------------------------------------------------------------- automatic cuts
 
 
+# Wrappers the automatic cut keeps whole (one piece of work, however many layers they hold).
+_KEPT_WHOLE = {
+    "checkpoint": "a jax.checkpoint (nn.remat) region",
+    "remat": "a jax.checkpoint (nn.remat) region",
+    "remat2": "a jax.checkpoint (nn.remat) region",
+    "custom_jvp_call": "a jax.custom_jvp function",
+    "custom_vjp_call": "a jax.custom_vjp function",
+    "custom_vjp_call_jaxpr": "a jax.custom_vjp function",
+}
+
+
 @dataclass(frozen=True)
 class _Unit:
     """One indivisible piece of activation work: an equation, or one iteration of a scan."""
@@ -799,10 +811,24 @@ def _auto_cut(program: _Program, count: int) -> tuple[_Program, dict[int, int]]:
         length = eqn.params["length"] if _splittable_scan(eqn) else 1
         units.extend(_Unit(i, it, cost / length) for it in range(length))
     if len(units) < count:
+        wrapped = sorted(
+            {
+                _KEPT_WHOLE[eqns[u.eqn].primitive.name]
+                for u in units
+                if eqns[u.eqn].primitive.name in _KEPT_WHOLE
+            }
+        )
+        keep = "keeps the layers inside it" if len(wrapped) == 1 else "keep the layers inside them"
+        inside = (
+            f"; {' and '.join(wrapped)} {keep} whole: wrap each layer rather than the whole "
+            "model, or place zbjax.stage_boundary markers inside"
+            if wrapped
+            else ""
+        )
         raise PartitionError(
             f"num_stages={count} but the program has only {len(units)} pieces of activation "
             "work to cut between (equations, or scan iterations); ask for at most "
-            f"{len(units)} stages or give the model more layers"
+            f"{len(units)} stages or give the model more layers{inside}"
         )
     costs = [u.cost for u in units]
     _attach_free_costs(program, activation, first_unit, costs)

@@ -451,14 +451,20 @@ class Pipeline:
         mesh's (``jax.device_put(x, device)``, a checkpoint restored to one device): the jitted
         step cannot take it beside arrays on the mesh (JAX's "incompatible devices")."""
         devices = set(self.mesh.devices.flat)
+
+        def elsewhere(x: Any) -> bool:
+            return (
+                isinstance(x, jax.Array)
+                and not isinstance(x, jax.core.Tracer)
+                and x.committed
+                and x.sharding.device_set != devices
+            )
+
         for what, tree in trees.items():
+            if not any(elsewhere(x) for x in jax.tree.leaves(tree)):
+                continue  # (paths are looked up only for the message)
             for path, x in jax.tree_util.tree_leaves_with_path(tree):
-                if (
-                    isinstance(x, jax.Array)
-                    and not isinstance(x, jax.core.Tracer)
-                    and x.committed
-                    and x.sharding.device_set != devices
-                ):
+                if elsewhere(x):
                     ids = sorted(d.id for d in x.sharding.device_set)
                     raise PipelineError(
                         f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ')'} is "
@@ -599,6 +605,11 @@ class Pipeline:
 
     def unstage(self, staged: StagedParams) -> Any:
         """Returns the user-layout params (or, for grads, use ``value_and_grad``) of ``staged``."""
+        if not isinstance(staged, StagedParams):
+            raise PipelineError(
+                f"pipe.unstage takes staged params (a zbjax.StagedParams from pipe.stage), got "
+                f"a {type(staged).__name__}; params in your own layout need no unstaging"
+            )
         built = self._require_built("pipe.unstage()")
         self._check_staged(staged, built)
         leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
@@ -788,6 +799,13 @@ class Pipeline:
         layout = built.lowering.layout
         want = [(layout.num_devices, layout.row_width(k)) for k in range(len(layout.dtypes))]
         got = [tuple(np.shape(r)) for r in staged.rows]
+        if staged.layout not in (None, layout.fingerprint):
+            raise PipelineError(
+                "staged params follow another pipeline's layout (another schedule, stage count "
+                "or placement puts the leaves elsewhere in the rows, though the rows' shapes "
+                "may agree); pass this pipeline's pipe.stage(params), e.g. "
+                "pipe.stage(other_pipe.unstage(staged))"
+            )
         if tuple(staged.dtypes) != layout.dtypes or got != want:
             raise PipelineError(
                 f"staged params have rows {list(zip(staged.dtypes, got, strict=True))} but "
@@ -1108,11 +1126,18 @@ class Pipeline:
                     "built for this graph"
                 )
             if spec in TWO_STAGES_PER_DEVICE and graph.num_stages != 2 * self.num_devices:
+                want = 2 * self.num_devices
+                fix = (
+                    f"the model's {graph.num_stages - 1} stage_boundary markers make "
+                    f"{graph.num_stages}; place {want - 1} markers, or remove them and pass "
+                    f"num_stages={want} to cut automatically,"
+                    if kind == "markers"
+                    else f"the model has {graph.num_stages}; pass num_stages={want}"
+                )
                 raise ScheduleError(
-                    f"{spec} needs 2 stages per device: {2 * self.num_devices} stages on the "
-                    f"{self.num_devices} devices of axis {self.axis_name!r}, but the model has "
-                    f"{graph.num_stages}; pass num_stages={2 * self.num_devices} (or place "
-                    "that many markers) or choose a schedule with one stage per device"
+                    f"{spec} needs 2 stages per device: {want} stages on the "
+                    f"{self.num_devices} devices of axis {self.axis_name!r}, but {fix} or "
+                    "choose a schedule with one stage per device"
                 )
             schedule = schedules.build(
                 spec,
