@@ -17,7 +17,7 @@ def use_cpu_devices(num_devices: int) -> bool:
     Must run before the first JAX computation; afterwards the backend is fixed and this returns
     False, changing nothing. It also raises XLA's CPU collective timeouts so that fake devices
     sharing few cores wait for each other instead of aborting the process, and turns off the
-    CPU client's asynchronous dispatch. With it, a test's eager ``jax.value_and_grad``
+    CPU client's asynchronous dispatch. With that dispatch on, a test's eager ``jax.value_and_grad``
     reference computed right after a pipelined step hung with every thread of the process
     waiting (jax 0.10.2) or aborted inside XLA (0.11.2), about once per whole test run, which
     looks like JAX's known hang in that dispatch (jax-ml/jax#25861).

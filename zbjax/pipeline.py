@@ -332,7 +332,8 @@ class Pipeline:
         each aux leaf averaged over the microbatches (and data-parallel shards) like the loss.
 
         With ``key``, ``loss_fn`` is called as ``loss_fn(params, microbatch, key_i)`` with
-        ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i``.
+        ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i`` (with data-parallel axes,
+        shard ``s`` of it gets ``jax.random.fold_in(key_i, s)``).
 
         With ``buffers`` (from ``init_buffers``, or returned by the previous step), the step
         keeps its residuals and W's stash in them and returns (loss, grads, buffers): pass
@@ -466,13 +467,22 @@ class Pipeline:
             for path, x in jax.tree_util.tree_leaves_with_path(tree):
                 if elsewhere(x):
                     ids = sorted(d.id for d in x.sharding.device_set)
+                    name = f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ')'} is"
+                    if isinstance(tree, StagedParams):  # staged by a pipeline on other devices
+                        name = "the staged params' rows are"
+                        fix = (
+                            "stage them with this pipeline: pipe.stage(other_pipe.unstage(staged))"
+                        )
+                    else:
+                        fix = (
+                            f"put the {what} on the mesh first: jax.device_put({what}, "
+                            "NamedSharding(mesh, PartitionSpec()))"
+                            + (" or pipe.stage(params)" if what == "params" else "")
+                        )
                     raise PipelineError(
-                        f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ')'} is "
-                        f"committed to device{'s' if len(ids) > 1 else ''} {ids}, not to the "
-                        f"pipeline mesh's {len(devices)} devices, so the jitted step cannot "
-                        f"take it; put the {what} on the mesh first: jax.device_put({what}, "
-                        "NamedSharding(mesh, PartitionSpec()))"
-                        + (" or pipe.stage(params)" if what == "params" else "")
+                        f"{name} committed to device{'s' if len(ids) > 1 else ''} {ids}, not "
+                        f"to the pipeline mesh's {len(devices)} devices, so the jitted step "
+                        f"cannot take it; {fix}"
                     )
 
     def _check_permutes(self, built: _Built, step: Any, *args: Any) -> None:

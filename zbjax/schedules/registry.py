@@ -139,10 +139,17 @@ def build(
 ) -> Schedule:
     """Returns the validated schedule ``name`` for the given sizes, costs and memory limit.
 
+    ``num_devices`` defaults to ``num_stages`` (interleaved-1f1b and zb-v: half of it).
     ``mem_limit`` (M_B per device, when given) is recorded on the schedule; zb-h1, zb-h2 and
     zb-v shrink their warm-up to fit it, the fixed schedules raise ScheduleError when their
-    peak is above it. ``costs`` is used by zb-auto and checked for every name; the fixed
-    schedules are the papers' handcrafted orders for equal costs.
+    peak is above it. ``costs`` is used by zb-auto and dag-zb and checked for every name; the
+    fixed schedules are the papers' handcrafted orders for equal costs.
+
+    ``options``: zb-auto takes ``edges`` (a stage DAG's ``(src, dst)`` pairs; a chain when
+    absent), ``time_limit`` (seconds of local search) and ``objective`` (``"makespan"``, the
+    default: one step; ``"span"``: back-to-back steps, the Zero Bubble paper's measure);
+    dag-1f1b and dag-zb need ``edges`` and ``placement`` (the device of each stage) and take
+    ``stage_names``; the other names take none.
     """
     if name not in SCHEDULE_NAMES + DAG_SCHEDULE_NAMES:
         raise ScheduleError(
