@@ -359,3 +359,25 @@ def test_op_graph_from_jaxpr_cuts_at_markers_only():
     assert all(min(traced.node_equations[holder[m]]) == m for m in markers)
     assert len(traced.graph.nodes) == 4
     assert traced.graph.edges == ((0, 1), (1, 3), (2, 3))
+
+
+def test_op_graph_from_jaxpr_joins_work_that_does_not_feed_the_loss_to_the_loss_node():
+    """An aux metric computed after the loss made a node of its own, which GraphPipe could
+    put in a last stage that does not feed the loss (an internal PartitionError at m = 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(w, x):
+        h = jnp.tanh(x @ w)
+        value = jnp.mean((jnp.tanh(h @ w) @ w) ** 2)
+        return value, jnp.mean(jnp.sin(h) @ w)  # the aux, traced after the loss
+
+    closed = jax.make_jaxpr(loss)(jnp.ones((8, 8)), jnp.ones((4, 8)))
+    traced = op_graph_from_jaxpr(closed, num_params=1, max_node_cost=1.0)
+    eqns = closed.jaxpr.eqns
+    holder = {i: k for k, node in enumerate(traced.node_equations) for i in node}
+    loss_node = holder[max(i for i, e in enumerate(eqns) if closed.jaxpr.outvars[0] in e.outvars)]
+    sine = next(i for i, e in enumerate(eqns) if e.primitive.name == "sin")
+    assert holder[sine] == loss_node == len(traced.graph.nodes) - 1
+    assert all(node for node in traced.node_equations)  # none left empty
+    assert sorted(holder) == list(range(len(eqns)))

@@ -641,6 +641,20 @@ def test_zb_v_without_two_stages_per_device_is_rejected(mlp_setup):
         pipe.value_and_grad(params, batch)
 
 
+def test_stage_counts_a_schedule_cannot_run_name_the_pipelines_fixes(mlp_setup):
+    """schedules.build's messages named a num_devices argument the pipeline does not take;
+    zb-v with the graph partitioner (one stage per device) advised a num_stages it refuses."""
+    loss_fn, params, batch, _ = mlp_setup
+    marked = mlp.make_loss_fn(dataclasses.replace(MLP_CFG, stage_boundaries=(1, 2, 3)))
+    for schedule in ("zb-h1", "zb-auto"):
+        pipe = zbjax.pipeline(marked, mesh=pp_mesh(2), schedule=schedule)
+        with pytest.raises(zbjax.ScheduleError, match="4 stages on the 2 devices.*place 1 marker,"):
+            pipe.value_and_grad(params, batch)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-v", partitioner="graph")
+    with pytest.raises(zbjax.ScheduleError, match="partitioner='graph' makes at most one stage"):
+        pipe.value_and_grad(params, batch)
+
+
 def test_prebuilt_schedule_for_other_device_count_is_rejected(mlp_setup):
     loss_fn = mlp_setup[0]
     schedule = zbjax.schedules.build("1f1b", 4, 8)

@@ -746,6 +746,37 @@ class JaxprOpGraph:
         return tuple(stages)
 
 
+def _join_loss_node(
+    jaxpr: Any, eqns: list, node_of: list[int], node_cost: list[float], reads: Any
+) -> tuple[list[int], list[float]]:
+    """Returns the nodes with those that do not feed the loss (``jaxpr.outvars[0]``), such as
+    an aux metric computed after the loss, joined to the loss's node: every stage must feed
+    the loss, which the last stage computes. Nodes are renumbered in order."""
+    from jax.extend.core import Var
+
+    loss = jaxpr.outvars[0]
+    if not isinstance(loss, Var):  # a constant loss: nothing feeds it
+        return node_of, node_cost
+    needed = {loss}
+    feeding: set[int] = set()
+    for i in reversed(range(len(eqns))):
+        if any(v in needed for v in eqns[i].outvars):
+            needed.update(reads(eqns[i]))
+            if node_of[i] >= 0:
+                feeding.add(node_of[i])
+    if not feeding or len(feeding) == len(node_cost):
+        return node_of, node_cost
+    loss_node = max(feeding)
+    for k in range(len(node_cost)):
+        if k not in feeding:
+            node_cost[loss_node] += node_cost[k]
+    index = {k: j for j, k in enumerate(sorted(feeding))}
+    return (
+        [-1 if n < 0 else index[n if n in feeding else loss_node] for n in node_of],
+        [node_cost[k] for k in sorted(feeding)],
+    )
+
+
 def op_graph_from_jaxpr(
     closed_jaxpr: Any,
     num_params: int = 0,
@@ -820,6 +851,7 @@ def op_graph_from_jaxpr(
         defined_in.update((v, current) for v in eqn.outvars)
     if not node_cost:
         node_cost.append(0.0)  # no activation at all: the whole program is one node
+    node_of, node_cost = _join_loss_node(jaxpr, eqns, node_of, node_cost, reads)
     # Equations on params only go to their earliest reader's node (the last node if none).
     last = len(node_cost) - 1
     read_at: dict[Any, int] = {}

@@ -1135,6 +1135,27 @@ class Pipeline:
                     f"schedule ({spec}) cannot order; use schedule='zb-auto' or a Schedule "
                     "built for this graph"
                 )
+            if spec in TWO_STAGES_PER_DEVICE and kind == "graph":
+                raise ScheduleError(
+                    f"{spec} puts 2 stages on every device, but partitioner='graph' makes at "
+                    "most one stage per device; use partitioner='chain' (or markers) with "
+                    f"{spec}, or a DAG schedule (dag-1f1b, dag-zb) with the graph partitioner"
+                )
+            if spec not in TWO_STAGES_PER_DEVICE and graph.num_stages != self.num_devices:
+                count = graph.num_stages
+                markers = self.num_devices - 1
+                fix = (
+                    f"place {markers} marker{'s' if markers != 1 else ''}"
+                    if kind == "markers"
+                    else f"pass num_stages={self.num_devices}"
+                )
+                raise ScheduleError(
+                    f"{spec} runs one stage per device, but the {kind} partition has {count} "
+                    f"stages on the {self.num_devices} devices of axis {self.axis_name!r}; use "
+                    f"a pp axis of {count} devices, {fix}, or a schedule that puts several "
+                    "stages on a device (zb-v or interleaved-1f1b: exactly 2 per device; "
+                    "dag-1f1b or dag-zb with placement=)"
+                )
             if spec in TWO_STAGES_PER_DEVICE and graph.num_stages != 2 * self.num_devices:
                 want = 2 * self.num_devices
                 fix = (
