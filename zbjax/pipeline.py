@@ -1144,11 +1144,10 @@ class Pipeline:
             if spec not in TWO_STAGES_PER_DEVICE and graph.num_stages != self.num_devices:
                 count = graph.num_stages
                 markers = self.num_devices - 1
-                fix = (
-                    f"place {markers} marker{'s' if markers != 1 else ''}"
-                    if kind == "markers"
-                    else f"pass num_stages={self.num_devices}"
-                )
+                fix = {
+                    "markers": f"place {markers} marker{'s' if markers != 1 else ''}",
+                    "graph": "use partitioner='chain' (which cuts one stage per device)",
+                }.get(kind, f"pass num_stages={self.num_devices}")
                 raise ScheduleError(
                     f"{spec} runs one stage per device, but the {kind} partition has {count} "
                     f"stages on the {self.num_devices} devices of axis {self.axis_name!r}; use "
