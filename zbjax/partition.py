@@ -56,6 +56,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
 
 from zbjax import cost_model
 from zbjax._jax_compat import (
+    REMAT_PRIMITIVES,
     bind_equation,
     no_mesh_context,
     ordered_effect_names,
@@ -201,15 +202,16 @@ def stage_summary(graph: StageGraph) -> str:
 
 def _flat_avals(tree: Any) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return tuple(_leaf_struct(x) for x in leaves), treedef
+    return tuple(leaf_aval(x) for x in leaves), treedef
 
 
-def _leaf_struct(x: Any) -> jax.ShapeDtypeStruct:
-    """The aval JAX traces ``x`` with: a Python scalar has no .dtype, gets the dtype JAX would
-    give it and stays weakly typed, as under ``jax.value_and_grad``."""
+def leaf_aval(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype ``jax.jit`` traces ``x`` with: a Python scalar or a NumPy array
+    takes JAX's canonical dtype (float32 for a Python float or a float64 array, without x64),
+    and a Python scalar stays weakly typed (``bf16_array * p["scale"]`` stays bfloat16)."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
-    dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+    dtype = x.dtype if isinstance(x, jax.Array) else jnp.result_type(x)
     return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=jax.typeof(x).weak_type)
 
 
@@ -780,9 +782,7 @@ def _stage_jaxpr(
 
 # Wrappers the automatic cut keeps whole (one piece of work, however many layers they hold).
 _KEPT_WHOLE = {
-    "checkpoint": "a jax.checkpoint (nn.remat) region",
-    "remat": "a jax.checkpoint (nn.remat) region",
-    "remat2": "a jax.checkpoint (nn.remat) region",
+    **dict.fromkeys(REMAT_PRIMITIVES, "a jax.checkpoint (nn.remat) region"),
     "custom_jvp_call": "a jax.custom_jvp function",
     "custom_vjp_call": "a jax.custom_vjp function",
     "custom_vjp_call_jaxpr": "a jax.custom_vjp function",

@@ -70,7 +70,7 @@ from zbjax.params import (
     stage_leaves,
     unstage_leaves,
 )
-from zbjax.partition import caller_stacklevel, partition, stage_summary
+from zbjax.partition import caller_stacklevel, leaf_aval, partition, stage_summary
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.ir import Costs, Schedule, integer
 from zbjax.split import split
@@ -130,14 +130,6 @@ class Buffers:
         return f"Buffers({len(self.pools)} pools, {self.nbytes / 1e6:.1f} MB)"
 
 
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    """The shape and dtype ``jax.jit`` gives ``x``: a Python scalar or a NumPy array takes
-    JAX's canonical dtype (float32 for a Python float or a float64 array, without x64), and a
-    Python scalar stays weakly typed (``bf16_array * p["scale"]`` stays bfloat16)."""
-    dtype = x.dtype if isinstance(x, jax.Array) else jnp.result_type(x)
-    return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=jax.typeof(x).weak_type)
-
-
 def _strong(avals: Sequence[jax.ShapeDtypeStruct]) -> list[tuple]:
     """The shapes and dtypes of ``avals``, weak types left out."""
     return [(a.shape, a.dtype) for a in avals]
@@ -150,7 +142,7 @@ def _avals(tree: Any, what: str = "argument") -> Any:
     avals = []
     for path, x in leaves:
         try:
-            avals.append(_aval(x))
+            avals.append(leaf_aval(x))
         except TypeError:
             shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
             raise PipelineError(
