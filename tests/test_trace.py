@@ -1,8 +1,10 @@
 """Per-action times of the compiled step from a jax.profiler trace (zbjax.trace)."""
 
+import collections
 import gzip
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import zbjax
 from models import mlp
+from zbjax import trace
 from zbjax.trace import (
     BETWEEN,
     EXCHANGES,
@@ -71,6 +74,8 @@ def test_branch_permutes_lists_the_collective_permutes_inside_conditionals():
     def shift(v, step):
         return jax.lax.ppermute(v, "x", [(i, (i + step) % 8) for i in range(8)])
 
+    line = shift.__code__.co_firstlineno + 1  # the ppermute's
+
     def body(v, flag):
         v = shift(v, 1)
         inner = jax.named_scope("inner")(
@@ -83,6 +88,8 @@ def test_branch_permutes_lists_the_collective_permutes_inside_conditionals():
     found = branch_permutes(hlo)
     assert [p.pairs for p in found] == [tuple((i, (i + 2) % 8) for i in range(8))]
     assert "inner" in found[0].op_name
+    # Where the user's code made it, from the module's stack frame tables.
+    assert found[0].source == f"{__file__}:{line} in {shift.__qualname__}"
 
 
 def test_hlo_ops_place_every_instruction_in_its_action_exchanges_or_between():
@@ -205,3 +212,30 @@ def test_profile_times_every_action_of_the_step_on_the_device_that_runs_it(tmp_p
             pipe.profile(params, batch, steps=1)
     finally:
         jax.profiler.stop_trace()
+
+
+def test_actions_keep_the_source_lines_of_the_users_code_in_the_compiled_step():
+    """The stage programs are rebuilt from the user's jaxpr; their ops keep the user's source
+    lines (not the interpreter's that rebuilt them), so an HLO dump, a profile or an error
+    points at the model's code."""
+
+    def loss_fn(w, x):
+        h = jnp.tanh(x @ w)
+        h = zbjax.stage_boundary(h)
+        return jnp.mean(jnp.sin(h @ w))
+
+    first = loss_fn.__code__.co_firstlineno
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    hlo = pipe.lower(jnp.eye(4) / 2, jnp.ones((4, 4))).compile().as_text()
+    frames = trace._stack_frames(hlo)
+    where = collections.defaultdict(set)
+    for line in hlo.splitlines():
+        op = re.search(r'op_name="[^"]*/((?:F|B|W) s\d)/[^"]*?(tanh|sin)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        if op and frame:
+            where[op.groups()].add(frames.get(int(frame.group(1))))
+    assert where[("F s0", "tanh")] == {f"{__file__}:{first + 1} in {loss_fn.__qualname__}"}
+    assert where[("F s1", "sin")] == {f"{__file__}:{first + 3} in {loss_fn.__qualname__}"}
+    # The actions' ops are still placed by their action's scope.
+    assert {"F s0", "F s1", "B s1", "W s0", "W s1"} <= set(hlo_ops(hlo).scope.values())

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info
 from jax.extend.core import (
     ClosedJaxpr,
     DebugInfo,
@@ -251,22 +254,60 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], rema
             return _eval_inlined(body, (), invals, remat)
         if name == "scan":
             params = dict(eqn.params, jaxpr=inline_calls(eqn.params["jaxpr"], inline_remat=remat))
-            return list(eqn.primitive.bind(*invals, **params))
+            with equation_source(eqn):
+                return list(eqn.primitive.bind(*invals, **params))
         return bind_equation(eqn, invals)
 
     return _interpret(jaxpr, consts, args, eval_equation)
 
 
+def equation_source(eqn: Any) -> Any:
+    """Returns a context in which equations bound take ``eqn``'s source line, as eval_jaxpr
+    binds each equation: a program rebuilt from the user's jaxpr then points at the user's code
+    in compiled metadata and errors, not at the zbjax code that rebuilt it.
+
+    The named scopes stay the caller's (the action's "F s0"), not the equation's: alike stages
+    (``split``'s ``same_jaxpr``) differ in their layers' names (Flax module paths), and one
+    split serves them all only while the names are not part of their programs."""
+    scopes = _source_info.current_name_stack()
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=scopes)
+
+
+def under_trace() -> bool:
+    """Returns whether JAX is tracing here (inside a jit, eval_shape, make_jaxpr, a control-flow
+    body), even where every value at hand is concrete (closed over from outside the trace)."""
+    return not _core.trace_ctx.is_top_level()
+
+
+def user_line(eqn: Any) -> str:
+    """Returns where the user's code made ``eqn``: "file:line in function" of the innermost
+    frame of its traceback outside JAX and zbjax, or "" when the traceback has none."""
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return ""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    for frame in _source_info.user_frames(traceback):
+        if not os.path.abspath(frame.file_name).startswith(package):
+            return f"{frame.file_name}:{frame.start_line} in {frame.function_name}"
+    return ""
+
+
 def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Returns the outputs of binding ``eqn``'s primitive to ``invals`` (as eval_jaxpr does,
-    without entering the context the equation recorded), as a list."""
+    without entering the context the equation recorded), as a list.
+
+    As eval_jaxpr does, the bound equation keeps the source line the user's code gave it
+    (``equation_source``), so the compiled step's metadata and errors point at the user's code
+    rather than at this interpreter.
+    """
     # jax 0.10 returns the bind params (call primitives put their body in ``subfuns``); older
     # releases returned (subfuns, params).
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     subfuns = ()
     if isinstance(bind_params, tuple):
         subfuns, bind_params = bind_params
-    outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    with equation_source(eqn):
+        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
@@ -502,7 +543,8 @@ def _eval_merged(eqn: Any, invals: list[Any]) -> Sequence[Any]:
             )
             lhs = _merged_operand(invals[0], lhs_first, count)
             rhs = _merged_operand(invals[1], rhs_first, count)
-            return [eqn.primitive.bind(lhs, rhs, **dict(params, dimension_numbers=merged))]
+            with equation_source(eqn):
+                return [eqn.primitive.bind(lhs, rhs, **dict(params, dimension_numbers=merged))]
     else:
         rewritten = {k: _map_closed_jaxprs(v, merge_contracting_dims) for k, v in params.items()}
         if any(rewritten[k] is not v for k, v in params.items()):

@@ -323,6 +323,8 @@ def check_stage_permutes(hlo_text: str, mesh: Any, pipeline_axis: str, axis: str
         if permute.pairs and all(position(a) == position(b) for a, b in permute.pairs):
             scopes = ACTION_SCOPE.findall(permute.op_name)
             op = permute.op_name.rsplit("/", 1)[-1] or "?"
+            if permute.source:
+                op = f"{op} at {permute.source}"
             names = ops.setdefault(scopes[-1] if scopes else "a stage", [])
             if op not in names:
                 names.append(op)

@@ -132,6 +132,11 @@ _CALLS = re.compile(
 )
 _PAIR = re.compile(r"\{(\d+),(\d+)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_SOURCE = re.compile(r'source_file="([^"]*)" source_line=(\d+)')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+_PACKAGE = str(Path(__file__).resolve().parent) + "/"
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,8 @@ class Permute:
 
     op_name: str
     pairs: tuple[tuple[int, int], ...]
+    #: Where the user's code made it ("model.py:17 in mlp"), when the module records it.
+    source: str = ""
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -166,6 +173,7 @@ def branch_permutes(hlo_text: str) -> list[Permute]:
     (``Compiled.as_text()``) that run inside a branch of a conditional: in a branch
     computation or one it calls (a loop, a fusion, a nested conditional)."""
     comps = _computations(hlo_text)
+    frames = _stack_frames(hlo_text)
     calls: dict[str, set[str]] = {name: set() for name in comps}
     roots: set[str] = set()
     for name, lines in comps.items():
@@ -203,9 +211,54 @@ def branch_permutes(hlo_text: str) -> list[Permute]:
                     tuple(
                         (int(a), int(b)) for a, b in _PAIR.findall(pairs.group(1) if pairs else "")
                     ),
+                    _source(m.group(2), frames),
                 )
             )
     return found
+
+
+def _source(instruction: str, frames: Mapping[int, str]) -> str:
+    """Returns where an instruction's metadata says the user's code that made it stands (its
+    ``source_file``/``source_line``, or its ``stack_frame_id`` in the module's frame tables),
+    or "" where it does not say or names zbjax's own code."""
+    source = _SOURCE.search(instruction)
+    if source:
+        where = f"{source.group(1)}:{source.group(2)}"
+    else:
+        frame = _FRAME_ID.search(instruction)
+        where = frames.get(int(frame.group(1)), "") if frame else ""
+    # zbjax's own code (the tick loop, message packing) is no line for a user to change.
+    return "" if where.startswith(_PACKAGE) else where
+
+
+def _stack_frames(hlo_text: str) -> dict[int, str]:
+    """Returns "file:line in function" per stack frame id of a module's text, read from the
+    tables it prints before its computations (FileNames, FunctionNames, FileLocations,
+    StackFrames: a frame names a location, a location a file, function and line)."""
+    tables: dict[str, dict[int, str]] = {}
+    rows: dict[int, str] | None = None
+    for line in hlo_text.splitlines():
+        if line in _TABLES:
+            rows = tables.setdefault(line, {})
+        elif rows is not None and line[:1].isdigit() and " " in line:
+            number, rest = line.split(" ", 1)
+            rows[int(number)] = rest.strip()
+        else:
+            rows = None
+    names = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    places = {}
+    for number, row in tables.get("FileLocations", {}).items():
+        fields = {k: int(v) for k, v in _FIELD.findall(row)}
+        place = f"{names.get(fields.get('file_name_id'), '?')}:{fields.get('line', '?')}"
+        function = functions.get(fields.get("function_name_id"))
+        places[number] = f"{place} in {function}" if function else place
+    frames = {}
+    for number, row in tables.get("StackFrames", {}).items():
+        fields = {k: int(v) for k, v in _FIELD.findall(row)}
+        if fields.get("file_location_id") in places:
+            frames[number] = places[fields["file_location_id"]]
+    return frames
 
 
 def trace_events(trace_dir: str | Path) -> list[dict[str, Any]]:
