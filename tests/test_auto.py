@@ -223,6 +223,9 @@ def test_build_zb_auto_goes_through_the_registry_with_default_limit_2p():
         ({"objective": "latency"}, "objective = 'latency'"),
         ({"num_microbatches": 2.5}, "num_microbatches = 2.5"),
         ({"time_limit": -1.0}, "time_limit = -1.0"),
+        ({"time_limit": "1"}, "time_limit = '1' is not a number"),
+        ({"mem_limit": "big"}, "mem_limit = 'big' is not a number"),
+        ({"num_stages": "4"}, "num_stages = '4'; it must be an integer"),
     ],
 )
 def test_zb_auto_rejects_bad_requests_with_a_message_naming_the_value(kwargs, message):

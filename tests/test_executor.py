@@ -183,6 +183,17 @@ def test_a_deadlocked_order_is_refused():
         run_schedule(graph, programs, bad, params, batch, jit=False)
 
 
+def test_run_schedule_and_stage_summary_name_a_wrong_argument_type():
+    _, params, batch, _ = model("mlp:markers")
+    graph, programs = stage_programs("mlp:markers", None)
+    with pytest.raises(PipelineError, match="schedule is a str, not a Schedule; pass zbjax"):
+        run_schedule(graph, programs, "zb-h1", params, batch)
+    with pytest.raises(PipelineError, match="graph is a NoneType, not a StageGraph"):
+        run_schedule(None, programs, schedules.build("1f1b", 2, M), params, batch)
+    with pytest.raises(zbjax.PartitionError, match="takes a StageGraph.*not a NoneType"):
+        zbjax.stage_summary(None)
+
+
 def test_a_schedule_missing_w_is_refused():
     _, params, batch, _ = model("mlp:markers")
     graph, programs = stage_programs("mlp:markers", None)

@@ -2,6 +2,7 @@
 
 import sys
 
+import numpy as np
 import pytest
 
 from zbjax.errors import ScheduleError
@@ -228,6 +229,8 @@ def test_interleaved_defaults_to_two_stages_per_device_and_explains_odd_counts()
         ),
         (dict(name="zb-v", num_stages=8, num_microbatches=8, mem_limit=1.5), "too small"),
         (dict(name="zb-h1", num_stages=4, num_microbatches=8, foo=1), "no options"),
+        (dict(name="zb-h1", num_stages=4.0, num_microbatches=8), "num_stages = 4.0; it must"),
+        (dict(name="1f1b", num_stages=4, num_microbatches=True), "num_microbatches = True;"),
         (
             dict(name="zb-h1", num_stages=4, num_microbatches=8, costs=Costs(f=[1.0, 2.0])),
             "costs.f has 2 entries but there are 4 stages",
@@ -243,6 +246,13 @@ def test_bad_requests_raise_schedule_error_naming_the_value(kwargs, words):
         build(**kwargs)
     assert words in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_numpy_integer_sizes_are_integers():
+    """np.int64(4) was refused as "not an integer >= 1" (zbjax.pipeline took it)."""
+    built = build("zb-h1", np.int64(4), np.int32(8), num_devices=np.int64(4))
+    assert built == build("zb-h1", 4, 8)
+    assert type(built.num_stages) is int and type(built.num_microbatches) is int
 
 
 def test_zb_auto_is_built_validated_and_records_its_limit():

@@ -4,6 +4,7 @@ import itertools
 import random
 import time
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -81,6 +82,24 @@ def test_op_graph_and_arguments_are_checked():
         graph_partition(_graph([1], []), 0, 4)
     with pytest.raises(PartitionError, match="mem_limit"):
         graph_partition(_graph([1, 1], [(0, 1)]), 2, 4, mem_limit=0.5)
+    # int() truncated a fractional edge end; a string or NaN cost failed later, unnamed.
+    with pytest.raises(PartitionError, match=r"edge \(0\.5, 1\.9\) names node 0\.5"):
+        _graph([1, 1], [(0.5, 1.9)])
+    with pytest.raises(PartitionError, match="op node 'a' has forward_cost = '1'"):
+        OpGraph((OpNode("a", "1", 1.0),), ())
+    with pytest.raises(PartitionError, match="op node 'a' has forward_cost = nan"):
+        OpGraph((OpNode("a", float("nan"), 1.0),), ())
+    with pytest.raises(PartitionError, match="node 1 is a int, not an OpNode"):
+        OpGraph((1, 2), ())
+    chain = _graph([1, 2, 1], [(0, 1), (1, 2)])
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(PartitionError, match=f"num_devices = {bad!r}; it must be an integer"):
+            chain_partition(chain, bad)
+    with pytest.raises(PartitionError, match="refine = -3; it must be an integer >= 0"):
+        graph_partition(chain, 2, 4, refine=-3)
+    # NumPy integers are integers.
+    assert graph_partition(chain, np.int64(2), np.int64(4)).num_stages == 2
+    assert chain_partition(chain, np.int64(2), np.int64(4)).num_stages == 2
 
 
 def test_branch_groupings_are_set_partitions_for_few_branches():

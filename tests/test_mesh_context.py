@@ -93,6 +93,61 @@ def test_inputs_committed_to_other_devices_are_named():
     )
 
 
+@pytest.mark.parametrize("spec", [P("pp", None), P(None, "dp")])
+def test_params_sharded_over_explicit_axes_are_staged(spec):
+    """Weights a sharded init or a restored checkpoint put on an explicit-axes mesh failed
+    with JAX's ShardingTypeError where staging flattens and joins the leaves."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    mesh = mesh_2x2(("pp", "dp"), EXPLICIT)
+    sharded = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, spec if x.ndim == 2 else P())), params
+    )
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2)
+    assert_close(pipe.value_and_grad(sharded, batch), reference)
+    loss, grads = jax.jit(pipe.value_and_grad)(pipe.stage(sharded, batch), batch)
+    assert_close((loss, pipe.unstage(grads)), reference)
+
+
+def test_a_context_mesh_other_than_the_pipelines_is_named():
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh_2x2(("pp", "dp"), EXPLICIT), num_microbatches=2)
+    other = jax.make_mesh((8,), ("x",), axis_types=(EXPLICIT,))
+    message = r"inside jax.set_mesh of a mesh with axes \{'x': 8\}"
+    with jax.set_mesh(other), pytest.raises(zbjax.PipelineError, match=message):
+        pipe.value_and_grad(params, batch)
+
+
+def test_a_call_traced_over_closed_over_inputs_keeps_no_tracers():
+    """Inside jax.jit (or eval_shape) with params and batch closed over, the inputs are
+    concrete: the arenas the step returned were tracers, kept for the next eager call, which
+    failed with JAX's UnexpectedTracerError."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh_2x2(("pp", "dp"), AUTO), num_microbatches=2)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2)
+    assert_close(jax.jit(lambda: pipe.value_and_grad(params, batch))(), reference)
+    jax.eval_shape(lambda: pipe.value_and_grad(params, batch))
+    assert_close(pipe.value_and_grad(params, batch), reference)
+
+
+def test_a_collective_in_loss_fn_is_named():
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+
+    def loss_fn(p, b):
+        return jax.lax.pmean(mlp.make_loss_fn(MLP_CFG)(p, b), "dp")
+
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh_2x2(("pp", "dp"), AUTO), num_microbatches=2)
+    with pytest.raises(zbjax.PartitionError, match="collective over a mesh axis.*already averages"):
+        pipe.value_and_grad(params, batch)
+
+
 def _annotated_loss(mesh, spec, *, bare=False):
     """A 2-stage MLP whose activations are constrained to ``spec`` in a scan body, a jit, a
     remat region and a cond branch, each layer ending in a custom_jvp function (relu)."""

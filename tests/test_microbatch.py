@@ -1,5 +1,7 @@
 """Microbatch splitting, per-microbatch keys, and the mean-over-microbatches reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,23 @@ def test_split_names_the_leaf_its_shape_and_m_when_not_divisible():
     batch = {"tokens": jnp.zeros((6, 3)), "targets": jnp.zeros((5, 3))}
     with pytest.raises(PipelineError, match=r"\['targets'\].*\(5, 3\).*num_microbatches=2"):
         split_microbatches(batch, 2)
+
+
+def test_microbatch_counts_must_be_integers_of_at_least_one():
+    """microbatch_keys(key, 2.5) returned 3 keys and 0 none; a float count failed in JAX."""
+    batch = {"x": jnp.ones((4, 2))}
+    for bad in (2.5, 0, -1, True, "2", None):
+        message = f"num_microbatches = {bad!r}; it must be an integer >= 1"
+        for call in (
+            lambda m: microbatch_keys(jax.random.key(0), m),
+            lambda m: split_microbatches(batch, m),
+            lambda m: reference_value_and_grad(lambda p, b: jnp.sum(b["x"]) * p, 1.0, batch, m),
+        ):
+            with pytest.raises(PipelineError, match=re.escape(message)):
+                call(bad)
+    with pytest.raises(PipelineError, match=re.escape("data_parallel = 2.0; it must be")):
+        reference_value_and_grad(lambda p, b: jnp.sum(b["x"]) * p, 1.0, batch, 2, data_parallel=2.0)
+    assert microbatch_keys(jax.random.key(0), np.int64(3)).shape == (3,)
 
 
 def test_split_rejects_a_scalar_leaf():

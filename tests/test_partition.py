@@ -1,6 +1,7 @@
 """partition: stages cut at markers or balanced by cost, edges, leaves, errors."""
 
 import functools
+import re
 import warnings
 
 import jax
@@ -158,7 +159,9 @@ def test_num_stages_must_match_the_marker_count():
     ids=["cond", "while", "scan"],
 )
 def test_a_marker_inside_control_flow_is_refused(control_flow):
-    with pytest.raises(PartitionError, match="(?i)inside .*move the stage_boundary outside"):
+    # The message names the marker's line (the lambda's above).
+    at = re.escape(f"marker (at {__file__}:{control_flow.__code__.co_firstlineno} in ")
+    with pytest.raises(PartitionError, match=f"(?i){at}.*inside .*move the stage_boundary outside"):
         partition(lambda w, x: jnp.sum(control_flow(x @ w)), jnp.eye(3), jnp.ones((2, 3)))
 
 
@@ -290,7 +293,10 @@ def test_a_marker_whose_output_is_unused_makes_no_cut_and_says_so():
         return jnp.mean(jnp.tanh(h @ w))
 
     w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
-    with pytest.warns(UserWarning, match="stage_boundary 2 times, but the outputs of 1 of them"):
+    line = loss_fn.__code__.co_firstlineno + 2  # the unused marker's, named in the warning
+    at = re.escape(f"({__file__}:{line} in {loss_fn.__qualname__})")
+    warning = f"2 times, but the outputs of 1 of them are never used {at}"
+    with pytest.warns(UserWarning, match=warning):
         graph = partition(loss_fn, w, x)
     assert graph.num_stages == 2
     with warnings.catch_warnings():

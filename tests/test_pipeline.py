@@ -662,6 +662,99 @@ def test_prebuilt_schedule_for_other_device_count_is_rejected(mlp_setup):
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=8)
 
 
+def test_a_prebuilt_schedule_that_would_not_run_as_given_is_refused_when_built(mlp_setup):
+    """A hand-built Schedule was checked for its counts only: one missing a microbatch ran
+    and returned the mean over the others, one naming microbatch 7 of 4 counted one twice,
+    one missing a backward failed deep in the tick tables; mem_limit= and w_mem= beside a
+    Schedule were dropped silently."""
+    loss_fn = mlp_setup[0]
+    good = zbjax.schedules.build("zb-h1", 2, 4)
+    missing = dataclasses.replace(
+        good, actions=tuple(tuple(a for a in d if a.microbatch != 3) for d in good.actions)
+    )
+    renamed = dataclasses.replace(
+        good,
+        actions=tuple(
+            tuple(dataclasses.replace(a, microbatch=7) if a.microbatch == 2 else a for a in d)
+            for d in good.actions
+        ),
+    )
+    no_backward = dataclasses.replace(
+        good,
+        actions=(
+            tuple(a for a in good.actions[0] if not (a.microbatch == 3 and a.kind != "F")),
+            good.actions[1],
+        ),
+    )
+    for bad, rule in (
+        (missing, "completeness rule: 0F3 is missing"),
+        (renamed, "device rule: 0F7 .* names microbatch 7, but there are 4"),
+        (no_backward, "completeness rule: 0B3 and 0W3"),
+        (dataclasses.replace(good, mem_limit=1.0), "memory rule"),
+    ):
+        with pytest.raises(zbjax.ScheduleError, match=f"does not run as given: {rule}"):
+            zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=bad, num_microbatches=4)
+    for kwargs in (dict(mem_limit=3.0), dict(w_mem=0.25)):
+        with pytest.raises(zbjax.ScheduleError, match="prebuilt Schedule, which carries its own"):
+            zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=good, num_microbatches=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(costs="x"), r"costs = 'x' is not a zbjax\.schedules\.Costs"),
+        (dict(mem_limit=-5), r"mem_limit = -5 is out of range"),
+        (dict(mem_limit="big"), r"mem_limit = 'big' is not a number"),
+        (dict(w_mem=7), r"w_mem = 7 is out of range"),
+        (dict(schedule=None), r"unknown schedule None"),
+        (dict(schedule="dag-1f1b", placement=5), r"placement=5; pass the device of each stage"),
+    ],
+)
+def test_schedule_options_are_checked_when_the_pipeline_is_built(mlp_setup, kwargs, message):
+    """Checked only at the first call (after tracing), or for a prebuilt Schedule never: a
+    costs='x' failed deep in the tick packing."""
+    args = dict(mesh=pp_mesh(2), num_microbatches=2) | kwargs
+    with pytest.raises(zbjax.ZbjaxError, match=message):
+        zbjax.pipeline(mlp_setup[0], **args)
+
+
+def test_method_arguments_are_checked_before_any_work(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    with pytest.raises(zbjax.PipelineError, match="pass True or False"):
+        zbjax.reference_value_and_grad(loss_fn, params, batch, 2, has_aux="yes")
+    for bad in (2.5, True, "3"):
+        with pytest.raises(zbjax.PipelineError, match=f"steps={bad!r}; it must be an int >= 1"):
+            pipe.profile(params, batch, steps=bad)  # 2.5 failed after compiling the step
+        with pytest.raises(zbjax.PipelineError, match=f"repeats={bad!r}; it must be an int"):
+            pipe.measure_costs(params, batch, repeats=bad)
+    with pytest.raises(zbjax.PipelineError, match="trace_dir=5; pass a directory path"):
+        pipe.profile(params, batch, trace_dir=5)
+    with pytest.raises(zbjax.PipelineError, match="optax GradientTransformation.*not a NoneType"):
+        pipe.per_leaf(None)
+    with pytest.raises(zbjax.PipelineError, match="max_norm='1'; pass a number"):
+        pipe.clip_by_global_norm("1")
+    lowered = pipe.lower(params, batch)
+    with pytest.raises(zbjax.PipelineError, match=r"not a Lowered \(call \.compile\(\) on it\)"):
+        pipe.report(compiled=lowered)
+
+
+def test_a_loss_that_is_not_one_real_scalar_is_refused(mlp_setup):
+    """jax.value_and_grad refuses a complex loss and a loss in a list; the pipeline returned
+    the complex loss with the gradient of its real part, and took [loss] as the loss."""
+    loss_fn, params, batch, _ = mlp_setup
+    cases = (
+        (lambda p, b: loss_fn(p, b) * (1 + 2j), {}, r"floating-point scalar; got complex64\[\]"),
+        (lambda p, b: [loss_fn(p, b)], {}, "loss_fn returns a list, not one floating-point"),
+        (lambda p, b: ((loss_fn(p, b),), {}), dict(has_aux=True), "the loss in .* is a tuple"),
+        (lambda p, b: jnp.float32(1.0), {}, "no work to cut into stages: its loss does not"),
+    )
+    for fn, kwargs, message in cases:
+        pipe = zbjax.pipeline(fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2, **kwargs)
+        with pytest.raises(zbjax.PartitionError, match=message):
+            pipe.value_and_grad(params, batch)
+
+
 def test_params_not_matching_the_traced_structure_show_expected_and_given(mlp_setup):
     loss_fn, params, batch, _ = mlp_setup
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=4)
@@ -932,3 +1025,64 @@ def test_staged_params_restored_in_a_new_pipeline_run_after_staging_their_shapes
     restored = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), saved, target)
     loss, grads = pipe.value_and_grad(restored, batch)
     assert_close((loss, pipe.unstage(grads)), reference)
+
+
+def test_staged_params_are_strongly_typed_as_jax_sees_the_unstaged_arrays():
+    """A Python-float param is weakly typed until staged; the staged step kept the first
+    trace's weak type, so bf16 * scale stayed bf16 where jax.value_and_grad of the
+    unstaged params (float32 arrays) computes in float32."""
+
+    def loss_fn(p, b):
+        h = (b["x"] @ p["w"]).astype(jnp.bfloat16) * p["scale"]
+        return jnp.mean(jnp.tanh(h.astype(jnp.float32) @ p["v"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+        "scale": 1.37,
+    }
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)}
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    pipe.value_and_grad(params, batch)  # traced with the weakly typed scale (bf16 math)
+    staged = pipe.stage(params, batch)
+    loss, grads = pipe.value_and_grad(staged, batch)
+    want = jax.value_and_grad(loss_fn)(pipe.unstage(staged), batch)
+    assert_close((loss, pipe.unstage(grads)), want)
+
+
+def test_a_first_call_that_fails_while_tracing_does_not_bind_the_pipeline(mlp_setup):
+    loss_fn, params, batch, reference = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    wrong = jax.tree.map(lambda x: x[..., :-1] if x.ndim == 2 else x, params)
+    with pytest.raises(Exception, match="shape"):  # loss_fn's own (Flax's) shape error
+        pipe.value_and_grad(wrong, batch)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+
+
+def test_staged_rows_cast_to_another_dtype_are_refused_and_shown_as_they_are(mlp_setup):
+    loss_fn, params, batch, _ = mlp_setup
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    staged = pipe.stage(params, batch)
+    cast = jax.tree.map(lambda r: r.astype(jnp.bfloat16), staged)
+    assert repr(cast).startswith("StagedParams(bfloat16[2, ")
+    with pytest.raises(zbjax.PipelineError, match="rows of float32 now hold bfloat16"):
+        pipe.value_and_grad(cast, batch)
+
+
+def test_without_markers_another_batch_size_keeps_the_first_cut(mlp_setup):
+    """The cost-balanced cut depends on the batch size; a later size that balanced elsewhere
+    was refused ("the staged params layout would change"): a last partial batch stopped a
+    training loop."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp_setup[1]
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
+    staged = None
+    for rows in (16, 64, 4):
+        batch = mlp.make_batch(jax.random.key(rows), MLP_CFG, rows)
+        assert_close(pipe.value_and_grad(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+        staged = staged or pipe.stage(params, batch)
+        loss, _ = pipe.value_and_grad(staged, batch)
+        np.testing.assert_allclose(loss, loss_fn(params, batch), rtol=1e-5)
+        # Only the latest shape's arenas are kept between calls.
+        assert len(pipe._pools) == 1

@@ -1,6 +1,7 @@
 """Schedule IR: actions and their text form, schedules, costs (pure Python)."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -83,6 +84,36 @@ def test_placement_must_have_one_device_per_stage():
         Schedule("bad", 3, 1, (0, 1), [[], []])
 
 
+def test_schedule_counts_indices_and_memory_options_are_checked():
+    """int() truncated a fractional device or edge end (0.7 -> device 0), silently."""
+    cases = (
+        (dict(placement=(0.7, 1.9)), r"placement\[0\] = 0\.7 is not an integer"),
+        (dict(edges=[(0.2, 1.6)]), r"the source of edge \(0\.2, 1\.6\) = 0\.2 is not an"),
+        (dict(num_stages="2"), "Schedule num_stages = '2'; it must be an integer >= 1"),
+        (dict(num_microbatches=2.0), "Schedule num_microbatches = 2.0; it must be an integer"),
+        (dict(w_mem=5.0), r"Schedule w_mem = 5\.0 is out of range; it must be in \[0, 1\]"),
+        (dict(mem_limit=-1), "Schedule mem_limit = -1 is out of range"),
+        (dict(mem_limit="big"), "Schedule mem_limit = 'big' is not a number"),
+    )
+    for kwargs, message in cases:
+        with pytest.raises(ScheduleError, match=message):
+            Schedule(
+                **(
+                    dict(
+                        name="s",
+                        num_stages=2,
+                        num_microbatches=1,
+                        placement=(0, 1),
+                        actions=[[], []],
+                    )
+                    | kwargs
+                )
+            )
+    numpy = Schedule("s", np.int64(2), np.int32(1), (np.int64(0), 1), [[], []])
+    assert (numpy.num_stages, numpy.num_microbatches, numpy.placement) == (2, 1, (0, 1))
+    assert type(numpy.num_stages) is int
+
+
 def test_text_form_is_one_line_per_device_and_parses_back():
     s = _diamond()
     text = s.to_text()
@@ -148,6 +179,10 @@ def test_costs_reject_wrong_lengths_negative_and_nan():
         Costs(comm=math.inf)
     with pytest.raises(ScheduleError, match="costs.f = 'x' is not a number"):
         Costs(f="x")
+    # float() takes "2" and True; neither is a cost.
+    for bad in ("2", True, ("1", 2), 1 + 2j):
+        with pytest.raises(ScheduleError, match=re.escape(f"costs.f = {bad!r} is not a number")):
+            Costs(f=bad)
     numpy_costs = Costs(f=np.float32(0.5), b=np.int64(2), w=np.array([1, 2]), comm=np.float64(1))
     assert numpy_costs == Costs(f=0.5, b=2.0, w=(1.0, 2.0), comm=1.0)
     assert numpy_costs.per_stage(2) == ((0.5, 0.5), (2.0, 2.0), (1.0, 2.0))

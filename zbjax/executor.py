@@ -57,6 +57,15 @@ def run_schedule(
 
 
 def _check_inputs(graph: StageGraph, programs: Sequence[StageProgram], schedule: Schedule) -> None:
+    for label, value, kind, fix in (
+        ("graph", graph, StageGraph, "zbjax.partition(loss_fn, params, batch)"),
+        ("schedule", schedule, Schedule, "zbjax.schedules.build(name, num_stages, m)"),
+    ):
+        if not isinstance(value, kind):
+            raise PipelineError(
+                f"run_schedule's {label} is a {type(value).__name__}, not a {kind.__name__}; "
+                f"pass {fix}"
+            )
     if len(programs) != graph.num_stages:
         raise PipelineError(
             f"got {len(programs)} stage programs for a graph of {graph.num_stages} stages; "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -43,7 +44,7 @@ from typing import Any
 
 from zbjax.errors import PartitionError
 from zbjax.schedules.dag import dag_1f1b, dag_zb, depth_to_sink, topological_order
-from zbjax.schedules.ir import Costs, Schedule, chain_edges
+from zbjax.schedules.ir import Costs, Schedule, chain_edges, count, integer
 from zbjax.schedules.simulate import simulate
 
 #: At most this many branches of one parallel composition are grouped in every possible way;
@@ -72,6 +73,18 @@ class OpNode:
         return self.backward_cost / 2 if self.weight_cost is None else self.weight_cost
 
 
+_NODE_NUMBERS = ("forward_cost", "backward_cost", "weight_cost", "activation_bytes", "param_bytes")
+
+
+def _node_index(value: Any, edge: Any) -> int:
+    """Returns an edge end as an int (a Python or NumPy integer), else raises PartitionError:
+    int() would truncate 0.5 to node 0, silently."""
+    index = integer(value)
+    if index is None:
+        raise PartitionError(f"op graph edge {edge!r} names node {value!r}, not an integer")
+    return index
+
+
 @dataclass(frozen=True)
 class OpGraph:
     """Operator nodes and dataflow edges (src, dst) between them; the edges form a DAG."""
@@ -81,10 +94,29 @@ class OpGraph:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
-        object.__setattr__(self, "edges", tuple(sorted({(int(a), int(b)) for a, b in self.edges})))
+        edges = {(_node_index(a, (a, b)), _node_index(b, (a, b))) for a, b in self.edges}
+        object.__setattr__(self, "edges", tuple(sorted(edges)))
         n = len(self.nodes)
         if n == 0:
             raise PartitionError("the op graph has no nodes; give at least one OpNode")
+        for node in self.nodes:
+            if not isinstance(node, OpNode):
+                raise PartitionError(
+                    f"op graph node {node!r} is a {type(node).__name__}, not an OpNode; build "
+                    "each node as OpNode(name, forward_cost, backward_cost, ...)"
+                )
+            for label in _NODE_NUMBERS:
+                value = getattr(node, label)
+                if value is None and label == "weight_cost":
+                    continue
+                if (
+                    not isinstance(value, numbers.Real)
+                    or isinstance(value, bool)
+                    or not math.isfinite(value)
+                ):
+                    raise PartitionError(
+                        f"op node {node.name!r} has {label} = {value!r}; it must be a finite number"
+                    )
         for a, b in self.edges:
             if not (0 <= a < n and 0 <= b < n) or a == b:
                 raise PartitionError(
@@ -545,9 +577,9 @@ def graph_partition(
     simulated with dag-1f1b and the fastest simulated one is returned (``refine=0``: the
     cost model's best, unsimulated). Raises PartitionError when no plan fits ``mem_limit``.
     """
-    for label, value in (("num_devices", num_devices), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PartitionError(f"{label} = {value!r}; it must be an integer >= 1")
+    num_devices = count("num_devices", num_devices, PartitionError)
+    num_microbatches = count("num_microbatches", num_microbatches, PartitionError)
+    refine = count("refine", refine, PartitionError, at_least=0)
     tree = series_parallel_tree(graph, non_series_parallel)
     search = _Search(graph, num_microbatches, mem_limit)
     table = search.solve(tree, num_devices, 0, ())
@@ -562,7 +594,7 @@ def graph_partition(
             f"every device within mem_limit = {mem_limit:g} bytes with {num_microbatches} "
             "microbatches; raise mem_limit, add devices or use fewer microbatches"
         )
-    if refine <= 0:
+    if refine == 0:
         return partition_from_stages(graph, plans[0][1], num_microbatches)
     best = None
     for _, stages in plans[:refine]:
@@ -584,6 +616,8 @@ def chain_partition(graph: OpGraph, num_devices: int, num_microbatches: int = 1)
     min(num_devices, number of nodes) stages; the stage graph is the chain plus any edge
     the op graph adds (skip connections), as a sequential pipeline runs it.
     """
+    num_devices = count("num_devices", num_devices, PartitionError)
+    num_microbatches = count("num_microbatches", num_microbatches, PartitionError)
     n = len(graph.nodes)
     order = topological_order(n, graph.edges)
     times = [graph.nodes[v].forward_cost + graph.nodes[v].backward_cost for v in order]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax.errors import PipelineError
+from zbjax.schedules.ir import count
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
@@ -25,8 +26,7 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     Microbatch ``i`` is the contiguous block of rows ``i * B/m : (i + 1) * B/m`` of every leaf.
     Raises ``PipelineError`` naming the leaf when its leading axis is missing or not divisible.
     """
-    if num_microbatches < 1:
-        raise PipelineError(f"num_microbatches={num_microbatches}; it must be at least 1")
+    num_microbatches = count("num_microbatches", num_microbatches, PipelineError)
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
     out = []
     for path, leaf in leaves_with_paths:
@@ -77,6 +77,7 @@ def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
     (``jax.random.key``; result shape ``[m]``) and raw uint32 keys (``jax.random.PRNGKey``;
     result shape ``[m, 2]``).
     """
+    num_microbatches = count("num_microbatches", num_microbatches, PipelineError)
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_microbatches))
 
 
@@ -109,9 +110,13 @@ def reference_value_and_grad(
     microbatch's rows split into S equal blocks, block ``s`` called (with a key) as
     ``loss_fn(params, block_s, jax.random.fold_in(key_i, s))``, the mean over all blocks.
     """
+    num_microbatches = count("num_microbatches", num_microbatches, PipelineError)
+    data_parallel = count("data_parallel", data_parallel, PipelineError)
+    if not isinstance(has_aux, bool):
+        raise PipelineError(f"has_aux={has_aux!r}; pass True or False")
     microbatches = split_microbatches(batch, num_microbatches)
     rows = {jnp.shape(leaf)[1] for leaf in jax.tree.leaves(microbatches)}
-    if data_parallel < 1 or any(r % data_parallel for r in rows):
+    if any(r % data_parallel for r in rows):
         raise PipelineError(
             f"data_parallel={data_parallel} must be at least 1 and divide every microbatch's "
             f"rows ({sorted(rows)} per microbatch); use a batch size that is a multiple of "

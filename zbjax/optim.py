@@ -426,7 +426,27 @@ def per_leaf(
         (rows,) = run(body, (list(params.rows),), (len(states.dtypes),), staged_layout.tensor_axis)
         return StagedState(rows, states.dtypes, staged_layout.fingerprint)
 
+    jitted: dict[str, Callable] = {}  # layout fingerprint -> update compiled for it
+
     def update(
+        updates: StagedParams,
+        state: StagedState,
+        params: StagedParams | None = None,
+        **extra_args: Any,
+    ):
+        if isinstance(updates, StagedParams) and not any(
+            isinstance(x, jax.core.Tracer)
+            for x in jax.tree.leaves((updates, state, params, extra_args))
+        ):
+            # Called eagerly, the per-device shard_map would be traced and compiled again at
+            # every step (its body is made anew): compile once per layout, as inside a jit.
+            fingerprint = layout()[0].fingerprint
+            if fingerprint not in jitted:
+                jitted[fingerprint] = jax.jit(traced_update)
+            return jitted[fingerprint](updates, state, params, **extra_args)
+        return traced_update(updates, state, params, **extra_args)
+
+    def traced_update(
         updates: StagedParams,
         state: StagedState,
         params: StagedParams | None = None,

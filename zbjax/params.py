@@ -293,8 +293,10 @@ class PackedRows:
         return cls(rows, meta.dtypes, meta.layout)
 
     def __repr__(self) -> str:
+        # The rows' own dtypes (a row cast by jax.tree.map keeps the recorded ones).
         shapes = ", ".join(
-            f"{dt}{list(np.shape(r))}" for dt, r in zip(self.dtypes, self.rows, strict=True)
+            f"{dtype_name(getattr(r, 'dtype', dt))}{list(np.shape(r))}"
+            for dt, r in zip(self.dtypes, self.rows, strict=True)
         )
         return f"{type(self).__name__}({shapes})"
 
@@ -597,17 +599,50 @@ def _norm_extras(layout: StagedLayout) -> list[tuple[int, LeafSlot, int, int]]:
     return out
 
 
+def _padding(layout: StagedLayout, k: int) -> list[tuple[int, int, int]]:
+    """Returns (device, first, end) of the element ranges of dtype ``k``'s rows that no copy of
+    a leaf holds (the padding up to ``row_size``, in every tensor block)."""
+    width, R = layout.row_width(k), layout.row_size[k]
+    held = np.zeros((layout.num_devices, width), bool)
+    for device, slot in layout.copies():
+        if layout.dtype_index(slot.dtype) == k:
+            for b in range(layout.tensor_size):
+                held[device, b * R + slot.offset : b * R + slot.offset + slot.size] = True
+    ranges = []
+    for device in range(layout.num_devices):
+        flips = np.flatnonzero(np.diff(np.concatenate([[True], held[device], [True]]).astype(int)))
+        starts, ends = flips[::2], flips[1::2]  # each unheld run: where it starts and ends
+        ranges += [(device, int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)]
+    return ranges
+
+
+def _without_padding(layout: StagedLayout, k: int, row: jax.Array) -> jax.Array:
+    """Returns ``row`` (all devices' rows of dtype ``k``) with zeros in its padding, selected by
+    index comparisons (no constant as large as the rows)."""
+    ranges = _padding(layout, k)
+    if not ranges:
+        return row
+    device = jax.lax.broadcasted_iota(jnp.int32, row.shape, 0)
+    column = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
+    pad = functools.reduce(
+        jnp.logical_or,
+        [(device == d) & (column >= lo) & (column < hi) for d, lo, hi in ranges],
+    )
+    return jnp.where(pad, jnp.zeros((), row.dtype), row)
+
+
 def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     """Returns the L2 norm of the params (or grads) in ``staged``, each element counted once:
     equal to ``optax.tree.norm`` of the user-layout tree (works under ``jax.jit``).
 
     The norm of every row less that of the ``extra_copies`` (and, over a tensor axis, of the
-    blocks' copies of replicated leaves); row padding holds zeros, as ``stage_leaves`` and the
-    step's gradients leave it, so it adds nothing.
+    blocks' copies of replicated leaves). Row padding is left out: ``stage_leaves`` and the
+    step's gradients leave zeros there, but an optimizer run on the rows may not (0 / 0 in
+    ``optax.adam(eps=0)``, or in float16 Adam whose eps underflows, makes NaN there).
     """
     total = sum(
-        jnp.sum(jnp.square(row.astype(jnp.float32)))
-        for row in staged.rows
+        jnp.sum(jnp.square(_without_padding(layout, k, row).astype(jnp.float32)))
+        for k, row in enumerate(staged.rows)
         if jnp.issubdtype(row.dtype, jnp.inexact)
     )
     for device, slot, lo, hi in _norm_extras(layout):

@@ -39,6 +39,8 @@ Stage assignment:
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import inspect
 import math
@@ -58,14 +60,17 @@ from zbjax import cost_model
 from zbjax._jax_compat import (
     REMAT_PRIMITIVES,
     bind_equation,
+    equation_source,
     no_mesh_context,
     ordered_effect_names,
     scan_counts,
     sharded_axes,
     strip_sharding_annotations,
+    user_line,
 )
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
+from zbjax.schedules.ir import count as whole_count
 from zbjax.stages import Edge, Stage, StageGraph, has_cotangent, key_data_aval, keys_as_data
 
 #: Automatic cuts may exceed the best achievable maximum stage cost by this fraction when that
@@ -101,6 +106,7 @@ def partition(
     assign: Callable[[ClosedJaxpr, int], Sequence[int]] | None = None,
     has_aux: bool = False,
     tensor_axis: str | None = None,
+    cut: tuple[int, tuple[int, ...]] | None = None,
 ) -> StageGraph:
     """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
 
@@ -117,9 +123,12 @@ def partition(
     to it from the stages that compute them, and ``graph.aux_treedef`` rebuilds the pytree.
     ``tensor_axis`` (the pipeline's ``param_specs`` axis) is a mesh axis over which sharding
     annotations in ``loss_fn`` draw no warning: the pipeline splits the stages over it.
+    ``cut`` (a graph's ``cut``, from another batch shape) makes a cost-balanced cut start its
+    stages at the same pieces of work when the program has as many as then, so another batch
+    shape keeps the stages (and the staged params layout); the graph records its ``cut``.
     """
-    if num_stages is not None and num_stages < 1:
-        raise PartitionError(f"num_stages={num_stages}; ask for at least 1 stage")
+    if num_stages is not None:
+        num_stages = whole_count("num_stages", num_stages, PartitionError)
     batch = microbatch if key is None else (microbatch, key)
     param_avals, params_treedef = _flat_avals(params)
     batch_avals, batch_treedef = _flat_avals(batch)
@@ -128,7 +137,14 @@ def partition(
     )
     with no_mesh_context():  # the stage programs must not record the caller's mesh
         return _partition(
-            program, num_stages, assign, params_treedef, batch_treedef, param_avals, batch_avals
+            program,
+            num_stages,
+            assign,
+            params_treedef,
+            batch_treedef,
+            param_avals,
+            batch_avals,
+            cut,
         )
 
 
@@ -140,6 +156,7 @@ def _partition(
     batch_treedef: Any,
     param_avals: Sequence[jax.ShapeDtypeStruct],
     batch_avals: Sequence[jax.ShapeDtypeStruct],
+    cut: tuple[int, tuple[int, ...]] | None = None,
 ) -> StageGraph:
     eqns = list(program.jaxpr.eqns)
     markers = [i for i, eqn in enumerate(eqns) if is_stage_boundary(eqn)]
@@ -162,20 +179,29 @@ def _partition(
     else:
         count = 1 if num_stages is None else num_stages
         # One stage needs no cut: every equation lands in stage 0 as a free equation.
-        program, explicit = _auto_cut(program, count) if count > 1 else (program, {})
+        if count > 1:
+            program, explicit, cut = _auto_cut(program, count, cut)
+        else:
+            explicit, cut = {}, None
     eqn_stages = _assign_stages(program, explicit, count)
     names = [f"stage {s}" for s in range(count)]
     for i, s in explicit.items():
         label = program.jaxpr.eqns[i].params.get("name") if markers else None
         if label:
             names[s] = f"stage {s} ({label})"
-    return _build_graph(
+    graph = _build_graph(
         program, eqn_stages, names, params_treedef, batch_treedef, param_avals, batch_avals
     )
+    return graph if markers or cut is None else dataclasses.replace(graph, cut=cut)
 
 
 def stage_summary(graph: StageGraph) -> str:
     """Returns one line per stage: name, params read, forward cost and edges in and out."""
+    if not isinstance(graph, StageGraph):
+        raise PartitionError(
+            f"stage_summary takes a StageGraph (zbjax.partition(...), or pipe.graph after a "
+            f"call), not a {type(graph).__name__}"
+        )
     lines = []
     total = sum(s.cost for s in graph.stages) or 1.0
     for stage in graph.stages:
@@ -278,22 +304,39 @@ def _trace(
             microbatch, microbatch_key = batch
             out = loss_fn(params, microbatch, microbatch_key)
         if not has_aux:
+            _check_loss_leaf(out, "loss_fn returns")
             return out
         if not (isinstance(out, tuple | list) and len(out) == 2):
             raise PartitionError(
                 f"with has_aux=True, loss_fn must return a pair (loss, aux); got "
                 f"{type(out).__name__}; return (loss, aux), or pass has_aux=False"
             )
+        _check_loss_leaf(out[0], "the loss in loss_fn's (loss, aux) is")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(out[1])
         aux.append((treedef, [jax.tree_util.keystr(path) for path, _ in with_paths]))
         return [out[0], *(leaf for _, leaf in with_paths)]
 
-    closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
+    try:
+        closed = jax.make_jaxpr(flat_loss)(*param_avals, *batch_avals)
+    except NameError as error:
+        if "unbound axis name" not in str(error):
+            raise
+        raise PartitionError(
+            f"loss_fn calls a collective over a mesh axis ({error.args[0].split('.')[0]}): "
+            "loss_fn is traced as an ordinary function of one microbatch, outside any "
+            "shard_map, as jax.value_and_grad would call it. Leave the collectives out (the "
+            "pipeline already averages the loss and gradients over the microbatches and the "
+            "data-parallel axes); return the loss of the microbatch it is given"
+        ) from None
     closed, annotations = strip_sharding_annotations(closed)
     _warn_model_sharding(annotations, batch_avals, tensor_axis)
     out_avals = closed.out_avals
     loss_avals = out_avals[:1] if has_aux else out_avals
-    if len(loss_avals) != 1 or loss_avals[0].shape != () or not has_cotangent(loss_avals[0].dtype):
+    if (
+        len(loss_avals) != 1
+        or loss_avals[0].shape != ()
+        or not jnp.issubdtype(loss_avals[0].dtype, jnp.floating)
+    ):
         got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in loss_avals) or "nothing"
         raise PartitionError(
             f"loss_fn must return one floating-point scalar; got {got}; return the loss alone "
@@ -313,29 +356,48 @@ def _trace(
     with no_mesh_context():
         flat = _inline_calls(closed)
     live = _dce(flat.jaxpr)
-    _warn_unused_markers(_count_markers(closed.jaxpr), _count_markers(live))
+    _warn_unused_markers(_marker_lines(closed.jaxpr), _marker_lines(live))
     return _Program(live, tuple(flat.consts), num_params, aux[0][0] if has_aux else None)
 
 
-def _count_markers(jaxpr: Jaxpr) -> int:
-    """The stage_boundary calls in ``jaxpr``, those in called functions counted per call."""
-    return sum(
-        is_stage_boundary(eqn) + sum(_count_markers(sub) for sub in _sub_jaxprs(eqn))
-        for eqn in jaxpr.eqns
-    )
+def _check_loss_leaf(out: Any, what: str) -> None:
+    """Raises PartitionError when the loss is a container (a list or tuple of one loss, say),
+    which jax.value_and_grad refuses too: it needs one scalar."""
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(out)) or out is None:
+        raise PartitionError(
+            f"{what} a {type(out).__name__}, not one floating-point scalar; return the loss "
+            "alone as a float scalar (e.g. the mean loss over the batch), or return (loss, "
+            "aux) with metrics in aux and pass has_aux=True"
+        )
 
 
-def _warn_unused_markers(called: int, used: int) -> None:
+def _marker_lines(jaxpr: Jaxpr) -> list[str]:
+    """Where the user's code called each stage_boundary of ``jaxpr`` (those in called
+    functions once per call; "" where the traceback does not say)."""
+    lines = []
+    for eqn in jaxpr.eqns:
+        if is_stage_boundary(eqn):
+            lines.append(user_line(eqn))
+        for sub in _sub_jaxprs(eqn):
+            lines.extend(_marker_lines(sub))
+    return lines
+
+
+def _warn_unused_markers(called: list[str], used: list[str]) -> None:
     """Warns when markers were dropped as dead code: a marker cuts where its output is read,
     so one whose output nothing reads makes no stage (and the counts in later messages would
-    not match the calls in the user's code)."""
-    if used < called:
+    not match the calls in the user's code). Names the unused calls' lines."""
+    if len(used) < len(called):
+        unused = collections.Counter(called) - collections.Counter(used)
+        where = ", ".join(sorted(line for line in unused.elements() if line))
         warnings.warn(
-            f"loss_fn calls zbjax.stage_boundary {called} times, but the outputs of "
-            f"{called - used} of them are never used, so those make no cut ({used} markers, "
-            f"{used + 1} stages): a marker cuts where its output is read. Use each marker's "
-            "output in place of its input (x = zbjax.stage_boundary(x)), or remove the "
-            "unused ones",
+            f"loss_fn calls zbjax.stage_boundary {len(called)} times, but the outputs of "
+            f"{len(called) - len(used)} of them are never used"
+            + (f" ({where})" if where else "")
+            + f", so those make no cut ({len(used)} marker{'' if len(used) == 1 else 's'}, "
+            f"{len(used) + 1} stages): a "
+            "marker cuts where its output is read. Use each marker's output in place of its "
+            "input (x = zbjax.stage_boundary(x)), or remove the unused ones",
             stacklevel=caller_stacklevel(),
         )
 
@@ -452,7 +514,10 @@ def _inline_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
         if name in _INLINE_ALWAYS or _contains_marker(closed.jaxpr):
             return closed.jaxpr, closed.consts
         return None
-    if any(_contains_marker(sub) for sub in _sub_jaxprs(eqn)):
+    marked = [line for sub in _sub_jaxprs(eqn) for line in _marker_lines(sub)]
+    if marked:
+        line = marked[0] or user_line(eqn)  # the marker's, else the control flow's
+        at = f" (at {line})" if line else ""
         where = {
             "cond": "a lax.cond/switch branch",
             "while": "a lax.while_loop/fori_loop body",
@@ -461,14 +526,14 @@ def _inline_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
         if name.startswith(("custom_vjp_call", "custom_jvp_call")):
             kind = "jvp" if name == "custom_jvp_call" else "vjp"
             raise PartitionError(
-                f"a stage_boundary marker sits inside a jax.custom_{kind} function; its "
+                f"a stage_boundary marker{at} sits inside a jax.custom_{kind} function; its "
                 "differentiation rule covers the whole function, so a pipeline cannot cut it "
                 "into stages (differentiating its body instead would ignore the rule). Put "
                 "the stage_boundary outside the function, or give each stage's part a "
                 "custom rule of its own"
             )
         raise PartitionError(
-            f"a stage_boundary marker sits inside {where}; a pipeline cannot cut inside "
+            f"a stage_boundary marker{at} sits inside {where}; a pipeline cannot cut inside "
             "control flow. Move the stage_boundary outside the control flow (e.g. between "
             "two loops, or unroll the loop), or remove the markers and pass num_stages to "
             "cut automatically (scans over layers are split by iteration)"
@@ -798,8 +863,12 @@ class _Unit:
     cost: float
 
 
-def _auto_cut(program: _Program, count: int) -> tuple[_Program, dict[int, int]]:
-    """Returns the program (scans split where cut) and the stage of each activation equation."""
+def _auto_cut(
+    program: _Program, count: int, cut: tuple[int, tuple[int, ...]] | None = None
+) -> tuple[_Program, dict[int, int], tuple[int, tuple[int, ...]]]:
+    """Returns the program (scans split where cut), the stage of each activation equation and
+    the cut (number of units, each stage's first unit): ``cut``'s when it has as many units
+    and stages, else the cost-balanced one."""
     eqns = program.jaxpr.eqns
     activation = _activation_equations(program)
     units: list[_Unit] = []
@@ -825,6 +894,12 @@ def _auto_cut(program: _Program, count: int) -> tuple[_Program, dict[int, int]]:
             if wrapped
             else ""
         )
+        if not units:
+            raise PartitionError(
+                f"num_stages={count} but loss_fn has no work to cut into stages: its loss "
+                "does not compute on both params and batch (it is a constant, or reads only "
+                "one of them); pipeline a loss that runs a model on its batch with its params"
+            )
         raise PartitionError(
             f"num_stages={count} but the program has only {len(units)} pieces of activation "
             "work to cut between (equations, or scan iterations); ask for at most "
@@ -833,7 +908,11 @@ def _auto_cut(program: _Program, count: int) -> tuple[_Program, dict[int, int]]:
     costs = [u.cost for u in units]
     _attach_free_costs(program, activation, first_unit, costs)
     live = _live_bytes(program, units, first_unit)
-    starts = _choose_cuts(costs, live, count)
+    if cut is not None and cut[0] == len(units) and len(cut[1]) == count:
+        starts = list(cut[1])
+    else:
+        starts = _choose_cuts(costs, live, count)
+    cut = (len(units), tuple(int(s) for s in starts))
     unit_stage = np.zeros(len(units), dtype=int)
     for s, start in enumerate(starts):
         unit_stage[start:] = s
@@ -854,8 +933,8 @@ def _auto_cut(program: _Program, count: int) -> tuple[_Program, dict[int, int]]:
                     begin = it
             scan_chunks[i] = chunks
     if not scan_chunks:
-        return program, explicit
-    return _split_scans(program, explicit, scan_chunks)
+        return program, explicit, cut
+    return (*_split_scans(program, explicit, scan_chunks), cut)
 
 
 def _activation_equations(program: _Program) -> list[int]:
@@ -1060,4 +1139,5 @@ def _chunked_scan_jaxpr(eqn: Any, ranges: list[tuple[int, int]]) -> ClosedJaxpr:
         return carry + ys
 
     avals = [_aval_struct(v) for v in eqn.invars]
-    return jax.make_jaxpr(chunked)(*avals)
+    with equation_source(eqn):
+        return jax.make_jaxpr(chunked)(*avals)

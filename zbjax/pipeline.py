@@ -46,6 +46,8 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
+import os
 import statistics
 import tempfile
 import time
@@ -59,13 +61,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax import graphpipe, schedules
-from zbjax._jax_compat import no_mesh_context
+from zbjax._jax_compat import no_mesh_context, under_trace
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
 from zbjax.optim import per_leaf
 from zbjax.params import (
     StagedParams,
+    dtype_name,
     global_norm,
     stage_leaves,
     unstage_leaves,
@@ -218,7 +221,7 @@ class Pipeline:
         num_stages: int | None = None,
         costs: Costs | None = None,
         mem_limit: float | None = None,
-        w_mem: float = 0.5,
+        w_mem: float | None = None,
         partitioner: str = "auto",
         placement: Sequence[int] | None = None,
         keep_buffers: bool | None = None,
@@ -247,11 +250,32 @@ class Pipeline:
         if num_stages is not None:
             num_stages = _whole_number("num_stages", num_stages)
         names = schedules.SCHEDULE_NAMES + schedules.DAG_SCHEDULE_NAMES
-        if isinstance(schedule, str) and schedule not in names:
+        if not isinstance(schedule, str | Schedule) or (
+            isinstance(schedule, str) and schedule not in names
+        ):
             raise ScheduleError(
                 f"unknown schedule {schedule!r}; choose one of: "
                 f"{', '.join(names)} or pass a zbjax.schedules.Schedule"
             )
+        if isinstance(schedule, Schedule):
+            given = [
+                f"{label}={value!r}"
+                for label, value in (("mem_limit", mem_limit), ("w_mem", w_mem))
+                if value is not None
+            ]
+            if given:
+                raise ScheduleError(
+                    f"{' and '.join(given)} would build a named schedule, but schedule= is a "
+                    "prebuilt Schedule, which carries its own (Schedule.mem_limit, "
+                    "Schedule.w_mem); pass them to zbjax.schedules.build(...) instead"
+                )
+            try:
+                schedules.validate(schedule)
+            except ScheduleError as error:
+                raise ScheduleError(
+                    f"schedule= is a Schedule that does not run as given: {error}"
+                ) from None
+        costs, mem_limit, w_mem = schedules.check_options(costs, mem_limit, w_mem)
         if partitioner not in PARTITIONERS:
             raise PipelineError(
                 f"unknown partitioner {partitioner!r}; choose one of {', '.join(PARTITIONERS)}"
@@ -261,6 +285,12 @@ class Pipeline:
                 f"partitioner='graph' chooses the stage count itself (at most one stage per "
                 f"device), but num_stages={num_stages} was given; leave num_stages=None, or "
                 "use partitioner='chain' for a fixed count"
+            )
+        if placement is not None and (
+            not isinstance(placement, Sequence | np.ndarray) or isinstance(placement, str)
+        ):
+            raise PipelineError(
+                f"placement={placement!r}; pass the device of each stage, e.g. (0, 1, 1)"
             )
         if placement is not None and schedule not in schedules.DAG_SCHEDULE_NAMES:
             raise PipelineError(
@@ -344,6 +374,9 @@ class Pipeline:
             # The arenas of the previous call are donated to this one, so no step spends time
             # allocating and initialising them.
             pools = self._pools.pop(id(built), None) or _new_buffers(built)
+            # Only the latest shape's arenas stay: a loop over many batch shapes would keep
+            # a set per shape (another shape's call allocates its own again).
+            self._pools.clear()
             self._check_permutes(built, built.step_with_pools, params, batch, key, pools)
             loss, grads, self._pools[id(built)] = built.step_with_pools(params, batch, key, pools)
             return loss, grads
@@ -396,9 +429,12 @@ class Pipeline:
         ``.table()`` prints it; ``.per_run("W s1")`` is the time one W of stage 1 took, to set
         beside ``measure_costs``, which times each action alone.
         """
-        if steps < 1:
-            raise PipelineError(f"steps={steps}; it must be at least 1")
+        steps = _whole_number("steps", steps)
         if trace_dir is not None:
+            if not isinstance(trace_dir, str | os.PathLike):
+                raise PipelineError(
+                    f"trace_dir={trace_dir!r}; pass a directory path (a str or os.PathLike)"
+                )
             make_output_dir("trace_dir", trace_dir)
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
@@ -442,7 +478,17 @@ class Pipeline:
     def _check_devices(self, **trees: Any) -> None:
         """Raises PipelineError naming an input array committed to devices other than the
         mesh's (``jax.device_put(x, device)``, a checkpoint restored to one device): the jitted
-        step cannot take it beside arrays on the mesh (JAX's "incompatible devices")."""
+        step cannot take it beside arrays on the mesh (JAX's "incompatible devices"), and a
+        ``jax.set_mesh`` context of another mesh around the call."""
+        context = jax.sharding.get_abstract_mesh()
+        if not context.empty and context != self.mesh.abstract_mesh:
+            shown = ", ".join(f"{n!r}: {s}" for n, s in context.shape.items())
+            raise PipelineError(
+                f"the call runs inside jax.set_mesh of a mesh with axes {{{shown}}}, but this "
+                f"pipeline runs on its own mesh {dict(self.mesh.shape)}; call it outside that "
+                "context, or set the pipeline's mesh (jax.set_mesh(pipe.mesh)), or build the "
+                "pipeline on the context's mesh"
+            )
         devices = set(self.mesh.devices.flat)
 
         def elsewhere(x: Any) -> bool:
@@ -545,8 +591,8 @@ class Pipeline:
         Over several processes, give every process the same costs (process 0's, say), so
         that all build the same program.
         """
-        if comm not in (None, True, False):
-            raise PipelineError(f"comm={comm!r}; pass None, True or False")
+        comm = _flag("comm", comm, allow_none=True)
+        repeats = _whole_number("repeats", repeats)
         if isinstance(params, StagedParams):
             raise PipelineError(
                 "measure_costs takes params in the user layout (the stages read the user "
@@ -597,7 +643,7 @@ class Pipeline:
             return jax.tree.map(
                 lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding), shapes
             )
-        staged = stage_leaves(layout, leaves)
+        staged = stage_leaves(layout, _replicated(leaves, self.mesh))
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
 
     def _rows_spec(self) -> PartitionSpec:
@@ -639,6 +685,13 @@ class Pipeline:
         clipping the user-layout grads would (staged or user-layout updates both work)."""
         import optax
 
+        if (
+            not isinstance(max_norm, numbers.Real | jax.Array)
+            or isinstance(max_norm, bool)
+            or jnp.ndim(max_norm) != 0
+        ):
+            raise PipelineError(f"max_norm={max_norm!r}; pass a number (the largest global norm)")
+
         def update(updates, state, params=None):
             del params
             norm = self.global_norm(updates)
@@ -667,6 +720,12 @@ class Pipeline:
         transformation outside: ``optax.chain(pipe.clip_by_global_norm(1.0),
         pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``.
         """
+
+        if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
+            raise PipelineError(
+                f"pipe.per_leaf takes an optax GradientTransformation (with init and update), "
+                f"not a {type(tx).__name__}; e.g. pipe.per_leaf(optax.adamw(1e-3, mask=...))"
+            )
 
         def layout():
             return self._require_built("pipe.per_leaf(tx)").lowering.layout, self._params_treedef
@@ -709,6 +768,12 @@ class Pipeline:
         given; else the step is compiled again for the latest call's shapes (without their
         shardings, so it is a compile of its own).
         """
+        if compiled is not None and not callable(getattr(compiled, "memory_analysis", None)):
+            fix = " (call .compile() on it)" if callable(getattr(compiled, "compile", None)) else ""
+            raise PipelineError(
+                f"report(compiled=) takes a compiled step, pipe.lower(params, batch).compile(), "
+                f"not a {type(compiled).__name__}{fix}"
+            )
         built = self._require_built("pipe.report()")
         low = built.lowering
         costs = program_costs(built.programs)
@@ -808,6 +873,20 @@ class Pipeline:
                 "may agree); pass this pipeline's pipe.stage(params), e.g. "
                 "pipe.stage(other_pipe.unstage(staged))"
             )
+        cast = [
+            (dt, dtype_name(r.dtype))
+            for dt, r in zip(staged.dtypes, staged.rows, strict=True)
+            if hasattr(r, "dtype") and dtype_name(r.dtype) != dt
+        ]
+        if cast:
+            raise PipelineError(
+                f"staged params rows of {', '.join(dt for dt, _ in cast)} now hold "
+                f"{', '.join(now for _, now in cast)} (cast after pipe.stage, e.g. by "
+                "jax.tree.map(lambda r: r.astype(...))), which this pipeline's layout does not "
+                "hold (a pipeline is traced for its params' dtypes); keep the rows' dtypes, or "
+                "build a new zbjax.pipeline for params of the new dtypes and stage them with "
+                "its pipe.stage"
+            )
         if tuple(staged.dtypes) != layout.dtypes or got != want:
             raise PipelineError(
                 f"staged params have rows {list(zip(staged.dtypes, got, strict=True))} but "
@@ -816,18 +895,23 @@ class Pipeline:
             )
 
     def _get(self, params: Any, batch: Any, key: Any) -> _Built:
+        first = self._params_treedef is None
         if isinstance(params, StagedParams):
             built = self._require_built("pipe.value_and_grad with staged params")
             self._check_staged(params, built)
+            # The rows hold arrays: every leaf is strongly typed, as jax.jit sees
+            # pipe.unstage(rows) (a Python scalar param is weakly typed only until staged).
+            avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._params_avals)
         else:
             self._check_params(params)  # the params' avals are this pipeline's from here on
-        params_avals = jax.tree_util.tree_unflatten(self._params_treedef, self._params_avals)
+            avals = self._params_avals
+        params_avals = jax.tree_util.tree_unflatten(self._params_treedef, avals)
         key_aval = None if key is None else _avals(key, "key")
         if key_aval is not None:
             _check_key(key_aval)
         batch_avals = _avals(batch, "batch")
         cache_key = (
-            tuple(a.weak_type for a in self._params_avals),
+            tuple(a.weak_type for a in avals),
             jax.tree_util.tree_structure(batch),
             tuple(jax.tree.leaves(batch_avals)),
             None if key_aval is None else (key_aval.shape, str(key_aval.dtype)),
@@ -835,10 +919,15 @@ class Pipeline:
         if cache_key not in self._built:
             # Shapes decide the build, so a batch of known shapes needs no checking again
             # (tracing the microbatch split costs milliseconds of every step otherwise).
-            micro = self._microbatch_avals(batch)
-            built = self._build(params_avals, micro, key_aval)
-            if self.has_aux:
-                self._check_aux_rows(built.graph, params_avals, batch_avals, key_aval)
+            try:
+                micro = self._microbatch_avals(batch)
+                built = self._build(params_avals, micro, key_aval)
+                if self.has_aux:
+                    self._check_aux_rows(built.graph, params_avals, batch_avals, key_aval)
+            except BaseException:
+                if first:  # params nothing was built for do not bind the pipeline to them
+                    self._params_treedef = self._params_avals = None
+                raise
             self._built[cache_key] = built
         built = self._built[cache_key]
         if self._last is not None and self._last.lowering.layout != built.lowering.layout:
@@ -967,8 +1056,12 @@ class Pipeline:
         """Returns (the partitioner used, the stage graph and its placement if it chose one)."""
         kind = self.partitioner
         if kind == "auto" and self.num_stages is not None:
-            # A fixed count: markers must make exactly that many stages, else a chain cut.
-            graph = self._cut(params_avals, micro, num_stages=self.num_stages, key=key_aval)
+            # A fixed count: markers must make exactly that many stages, else a chain cut
+            # (another batch shape keeping the first's, as below).
+            cut = None if self._last is None else self._last.graph.cut
+            graph = self._cut(
+                params_avals, micro, num_stages=self.num_stages, key=key_aval, cut=cut
+            )
             return kind, _Partitioned(graph)
         if kind in ("auto", "markers", "chain"):
             # One trace tells whether there are markers (num_stages=None never cuts by cost).
@@ -1009,7 +1102,10 @@ class Pipeline:
             )
         if num_stages == 1:
             return kind, _Partitioned(marked)
-        graph = self._cut(params_avals, micro, num_stages=num_stages, key=key_aval)
+        # Another batch shape keeps the stages the first cut made (the costs, which scale
+        # with the shapes, may balance elsewhere), and so the staged params layout.
+        cut = None if self._last is None else self._last.graph.cut
+        graph = self._cut(params_avals, micro, num_stages=num_stages, key=key_aval, cut=cut)
         return kind, _Partitioned(graph)
 
     def _cut(self, params_avals: Any, micro: Any, **kwargs: Any) -> StageGraph:
@@ -1199,7 +1295,11 @@ class Pipeline:
 
         def step(params, batch, key, pools):
             staged_input = isinstance(params, StagedParams)
-            staged = params if staged_input else stage_leaves(low.layout, jax.tree.leaves(params))
+            staged = (
+                params
+                if staged_input
+                else stage_leaves(low.layout, _replicated(jax.tree.leaves(params), self.mesh))
+            )
             if self.tensor_axis is not None and not staged_input:
                 # Each device builds only its blocks of the rows it holds.
                 # (A constraint names Auto axes only; an Explicit pp axis is placed by the
@@ -1232,16 +1332,29 @@ def _new_buffers(built: _Built) -> Buffers:
 
 
 def _traced(tree: Any) -> bool:
-    """Returns whether any leaf of ``tree`` is a tracer (the call is inside a user's trace)."""
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    """Returns whether the call is inside a user's trace: a leaf of ``tree`` is a tracer, or
+    JAX is tracing (a jit, eval_shape or cond branch that closes over concrete inputs)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)) or under_trace()
 
 
-def _replicated(staged: StagedParams, mesh: Any) -> StagedParams:
-    """Returns ``staged`` replicated when ``mesh`` shards explicitly (rows are sliced next)."""
+def _replicated(tree: Any, mesh: Any) -> Any:
+    """Returns ``tree`` (staged rows, or user-layout param leaves) with its arrays replicated
+    when ``mesh`` shards explicitly: rows are sliced and leaves flattened and joined next,
+    which JAX does not do to arrays sharded over explicit axes (a sharded init, a restored
+    checkpoint)."""
     if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return staged
+        return tree
     sharding = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda r: jax.reshard(r, sharding), staged)
+
+    def replicate(x: Any) -> Any:
+        spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()) if _is_array(x) else ()
+        return jax.reshard(x, sharding) if any(s is not None for s in spec) else x
+
+    return jax.tree.map(replicate, tree)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | jax.core.Tracer)
 
 
 def _arena_text(low: Lowering) -> str:
@@ -1303,7 +1416,7 @@ def pipeline(
     num_stages: int | None = None,
     costs: Costs | None = None,
     mem_limit: float | None = None,
-    w_mem: float = 0.5,
+    w_mem: float | None = None,
     partitioner: str = "auto",
     placement: Sequence[int] | None = None,
     keep_buffers: bool | None = None,
@@ -1354,7 +1467,8 @@ def pipeline(
     ``value_and_grad`` calls (each call donates them to the next) instead of allocating them in
     every step. Default: on CPU meshes, where XLA fills fresh slots with zeros (a memory pass
     per step); off elsewhere, where allocating them costs nothing and the memory is better left
-    free between steps (for the optimizer's update). It applies to calls with concrete arrays;
+    free between steps (for the optimizer's update). The slots of the latest batch shape are
+    kept (a call with another shape frees them). It applies to calls with concrete arrays;
     inside a user's ``jax.jit`` the step allocates its slots itself unless given them:
     ``pipe.init_buffers`` and ``value_and_grad(..., buffers=)``.
 

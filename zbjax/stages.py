@@ -32,7 +32,7 @@ whose ``Stage.output_differentiable`` flag is set, *input cotangents* for the in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -159,6 +159,9 @@ class StageGraph:
     param_avals: tuple[jax.ShapeDtypeStruct, ...]
     batch_avals: tuple[jax.ShapeDtypeStruct, ...]
     aux_treedef: Any = None
+    #: The cost-balanced cut that made the stages (``partition``'s ``cut``): the number of
+    #: pieces of activation work and the first piece of each stage; None for markers.
+    cut: tuple[int, tuple[int, ...]] | None = field(default=None, compare=False)
 
     @property
     def num_stages(self) -> int:

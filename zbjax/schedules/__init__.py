@@ -18,6 +18,7 @@ from zbjax.schedules.plot import write_trace as write_trace
 from zbjax.schedules.registry import DAG_SCHEDULE_NAMES as DAG_SCHEDULE_NAMES
 from zbjax.schedules.registry import SCHEDULE_NAMES as SCHEDULE_NAMES
 from zbjax.schedules.registry import build as build
+from zbjax.schedules.registry import check_options as check_options
 from zbjax.schedules.simulate import backward_kinds as backward_kinds
 from zbjax.schedules.simulate import dependencies as dependencies
 from zbjax.schedules.simulate import memory_delta as memory_delta

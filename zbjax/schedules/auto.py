@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ from functools import cached_property
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules.dag import topological
-from zbjax.schedules.ir import Action, Costs, Schedule, chain_edges
+from zbjax.schedules.ir import Action, Costs, Schedule, chain_edges, count
 
 _F, _B, _W = 0, 1, 2
 _KIND_NAMES = ("F", "B", "W")
@@ -608,8 +609,7 @@ def _check_request(
     time_limit: float | None,
 ) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name} = {value!r}; zb-auto needs an integer >= 1")
+        count(f"zb-auto: {name}", value)
     if num_devices is not None and num_devices != num_stages:
         raise ScheduleError(
             f"zb-auto places one stage per device, but num_devices = {num_devices} and "
@@ -647,12 +647,12 @@ def _search(problem: _Problem, objective: str, deadline: float) -> list[list[int
     # descent is path-dependent) by the other measure too; keep whatever beats the best.
     other = "span" if objective == "makespan" else "makespan"
     bound = _bound(problem, objective)
-    for measure, count in ((objective, 3), (other, 3)):
+    for measure, tries in ((objective, 3), (other, 3)):
         ranked = sorted(
             ((_key(t, measure), p) for t, _, p in scored if p is not None),
             key=lambda item: item[0],
         )
-        for start_key, policy in ranked[:count]:
+        for start_key, policy in ranked[:tries]:
             if key <= bound:
                 break  # provably optimal already
             _, tuned = _tune(problem, policy, start_key, measure, deadline)
@@ -689,6 +689,13 @@ def zb_auto(
     """
     if objective not in ("makespan", "span"):
         raise ScheduleError(f"objective = {objective!r}; use 'makespan' or 'span'")
+    num_stages = count("zb-auto: num_stages", num_stages)
+    num_microbatches = count("zb-auto: num_microbatches", num_microbatches)
+    for label, value in (("mem_limit", mem_limit), ("w_mem", w_mem), ("time_limit", time_limit)):
+        if value is not None and (
+            not isinstance(value, numbers.Real) or isinstance(value, bool) or value != value
+        ):
+            raise ScheduleError(f"zb-auto: {label} = {value!r} is not a number")
     mem_limit = 2.0 * num_stages if mem_limit is None else float(mem_limit)
     _check_request(num_stages, num_microbatches, num_devices, mem_limit, w_mem, time_limit)
     costs = costs or Costs()

@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, as_index
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, as_index, count
 from zbjax.schedules.simulate import peak_memory, simulate
 from zbjax.schedules.validate import validate
 
@@ -56,8 +56,7 @@ def check_stage_dag(
     placement = tuple(as_index(f"placement[{s}]", d) for s, d in enumerate(placement))
     if not placement:
         raise ScheduleError("placement is empty; give one device per stage, e.g. (0, 1, 2, 3)")
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ScheduleError(f"num_microbatches = {num_microbatches!r}; it must be an integer >= 1")
+    count("num_microbatches", num_microbatches)
     num_stages = len(placement)
     used = set(placement)
     if min(placement) < 0 or used != set(range(max(placement) + 1)):

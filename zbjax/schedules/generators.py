@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Schedule, chain_edges
+from zbjax.schedules.ir import Action, Schedule, chain_edges, count
 from zbjax.schedules.simulate import memory_delta
 
 #: One step of a device's F/B order: (kind, stage, microbatch), kind "F" or "B".
@@ -49,8 +49,7 @@ def _check_sizes(name: str, num_stages: int, num_microbatches: int, num_devices:
         ("num_microbatches", num_microbatches),
         ("num_devices", num_devices),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name}: {label} = {value!r}; it must be an integer >= 1")
+        count(f"{name}: {label}", value)
 
 
 def _single_stage_devices(name: str, num_stages: int, num_devices: int | None) -> int:

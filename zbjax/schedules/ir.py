@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 import re
 from collections.abc import Iterable, Sequence
@@ -36,6 +37,31 @@ def integer(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def count(
+    what: str, value: object, error: type[Exception] = ScheduleError, at_least: int = 1
+) -> int:
+    """Returns ``value`` as an int >= ``at_least`` (a Python or NumPy integer, ``integer``);
+    raises ``error`` naming ``what`` for anything else (too small, a float, a bool, a string)."""
+    number = integer(value)
+    if number is None or number < at_least:
+        raise error(f"{what} = {value!r}; it must be an integer >= {at_least}")
+    return number
+
+
+def _real(value: object) -> float | None:
+    """Returns ``value`` as a float if it is a real number (Python, NumPy, a 0-d array; not a
+    bool or a string), else None."""
+    if isinstance(value, bool | np.bool_ | str | bytes):
+        return None
+    if isinstance(value, np.ndarray | np.generic) and not np.issubdtype(value.dtype, np.number):
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return None if isinstance(value, complex) or np.iscomplexobj(value) else number
 
 
 def as_index(what: str, value: object) -> int:
@@ -115,12 +141,40 @@ class Schedule:
     stage_names: tuple[str, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", tuple(int(d) for d in self.placement))
+        # Counts and indices must be integers: int() would truncate 0.7 to device 0, silently.
+        for label in ("num_stages", "num_microbatches"):
+            object.__setattr__(self, label, count(f"Schedule {label}", getattr(self, label)))
+        object.__setattr__(
+            self,
+            "placement",
+            tuple(as_index(f"placement[{s}]", d) for s, d in enumerate(self.placement)),
+        )
         object.__setattr__(self, "actions", tuple(tuple(device) for device in self.actions))
         if self.edges is None:
             object.__setattr__(self, "edges", chain_edges(self.num_stages))
         else:
-            object.__setattr__(self, "edges", tuple((int(a), int(b)) for a, b in self.edges))
+            object.__setattr__(
+                self,
+                "edges",
+                tuple(
+                    (
+                        as_index(f"the source of edge {edge!r}", edge[0]),
+                        as_index(f"the target of edge {edge!r}", edge[1]),
+                    )
+                    for edge in self.edges
+                ),
+            )
+        for label, low, high in (("mem_limit", 0.0, math.inf), ("w_mem", 0.0, 1.0)):
+            value = getattr(self, label)
+            if value is None and label == "mem_limit":
+                continue
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or value != value:
+                raise ScheduleError(f"Schedule {label} = {value!r} is not a number")
+            if not low <= value <= high:
+                raise ScheduleError(
+                    f"Schedule {label} = {value!r} is out of range; it must be in "
+                    f"[{low:g}, {high:g}]"
+                )
         if len(self.placement) != self.num_stages:
             raise ScheduleError(
                 f"placement has {len(self.placement)} entries but num_stages is "
@@ -244,19 +298,20 @@ class Costs:
             value = getattr(self, name)
             if value is None:
                 continue
-            try:  # NumPy scalars and 0-d arrays are numbers; sequences are per stage
-                number = float(value) if np.ndim(value) == 0 else None
-            except (TypeError, ValueError):
-                number = None
+            # NumPy scalars and 0-d arrays are numbers; sequences are per stage. A string
+            # ("2") or a bool is neither, though float() would take it.
+            number = _real(value) if np.ndim(value) == 0 else None
             if number is None and name in ("comm", "comm_message"):
                 raise ScheduleError(f"costs.{name} = {value!r} is not a number")
-            try:
-                converted = number if number is not None else tuple(float(v) for v in value)
-            except (TypeError, ValueError):
+            per_stage = None
+            if number is None and np.ndim(value) == 1 and not isinstance(value, str):
+                per_stage = tuple(_real(v) for v in value)
+            if number is None and (per_stage is None or None in per_stage):
                 raise ScheduleError(
                     f"costs.{name} = {value!r} is not a number or a sequence of numbers "
                     "(one per stage)"
-                ) from None
+                )
+            converted = number if number is not None else per_stage
             object.__setattr__(self, name, converted)
         for name in ("comm", "comm_message"):
             if not 0 <= getattr(self, name) < math.inf:

@@ -17,7 +17,7 @@ from typing import Any
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules import dag, generators
-from zbjax.schedules.ir import Costs, Schedule
+from zbjax.schedules.ir import Costs, Schedule, count
 from zbjax.schedules.simulate import peak_memory
 from zbjax.schedules.validate import validate
 
@@ -127,6 +127,27 @@ def _dag(
     return dag.dag_zb(edges, placement, num_microbatches, mem_limit, w_mem, costs, names)
 
 
+def check_options(
+    costs: Costs | None, mem_limit: float | None, w_mem: float | None
+) -> tuple[Costs | None, float | None, float]:
+    """Returns (costs, mem_limit, w_mem) as ``build`` takes them (w_mem None: 0.5) after
+    checking their types and ranges; raises ScheduleError naming a bad one."""
+    w_mem = _check_number("w_mem", 0.5 if w_mem is None else w_mem, 0.0, 1.0)
+    if costs is not None and not isinstance(costs, Costs):
+        raise ScheduleError(
+            f"costs = {costs!r} is not a zbjax.schedules.Costs; pass "
+            "Costs(f=..., b=..., w=..., comm=...)"
+        )
+    if mem_limit is not None:
+        mem_limit = _check_number("mem_limit", mem_limit, 0.0)
+        if mem_limit < 1.0:
+            raise ScheduleError(
+                f"mem_limit = {mem_limit:g} M_B is below 1 M_B, the activation of the single "
+                "forward every schedule must hold; raise mem_limit to at least 1"
+            )
+    return costs, mem_limit, w_mem
+
+
 def build(
     name: str,
     num_stages: int,
@@ -156,28 +177,13 @@ def build(
             f"unknown schedule {name!r}; choose one of: "
             f"{', '.join(SCHEDULE_NAMES + DAG_SCHEDULE_NAMES)}"
         )
-    for label, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name}: {label} = {value!r}; it must be an integer >= 1")
-    if num_devices is not None and (
-        not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1
-    ):
-        raise ScheduleError(f"{name}: num_devices = {num_devices!r}; it must be an integer >= 1")
-    w_mem = _check_number("w_mem", w_mem, 0.0, 1.0)
+    num_stages = count(f"{name}: num_stages", num_stages)
+    num_microbatches = count(f"{name}: num_microbatches", num_microbatches)
+    if num_devices is not None:
+        num_devices = count(f"{name}: num_devices", num_devices)
+    costs, mem_limit, w_mem = check_options(costs, mem_limit, w_mem)
     if costs is not None:
-        if not isinstance(costs, Costs):
-            raise ScheduleError(
-                f"costs = {costs!r} is not a zbjax.schedules.Costs; pass "
-                "Costs(f=..., b=..., w=..., comm=...)"
-            )
         costs.per_stage(num_stages)  # raises on wrong lengths and negative costs
-    if mem_limit is not None:
-        mem_limit = _check_number("mem_limit", mem_limit, 0.0)
-        if mem_limit < 1.0:
-            raise ScheduleError(
-                f"mem_limit = {mem_limit:g} M_B is below 1 M_B, the activation of the single "
-                "forward every schedule must hold; raise mem_limit to at least 1"
-            )
     if name in DAG_SCHEDULE_NAMES:
         schedule = _dag(
             name, num_stages, num_microbatches, num_devices, costs, mem_limit, w_mem, options
