@@ -253,6 +253,8 @@ def test_numpy_integer_sizes_are_integers():
     built = build("zb-h1", np.int64(4), np.int32(8), num_devices=np.int64(4))
     assert built == build("zb-h1", 4, 8)
     assert type(built.num_stages) is int and type(built.num_microbatches) is int
+    # A 0-d NumPy or JAX number is a number too (jnp.float32(2.0) was "not a number").
+    assert build("zb-h1", 4, 8, mem_limit=np.asarray(3.0)).mem_limit == 3.0
 
 
 def test_zb_auto_is_built_validated_and_records_its_limit():

@@ -117,7 +117,7 @@ def test_a_context_mesh_other_than_the_pipelines_is_named():
     batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
     pipe = zbjax.pipeline(loss_fn, mesh=mesh_2x2(("pp", "dp"), EXPLICIT), num_microbatches=2)
     other = jax.make_mesh((8,), ("x",), axis_types=(EXPLICIT,))
-    message = r"inside jax.set_mesh of a mesh with axes \{'x': 8\}"
+    message = r"inside jax.set_mesh of a mesh with axes \{'x': 8 Explicit\}"
     with jax.set_mesh(other), pytest.raises(zbjax.PipelineError, match=message):
         pipe.value_and_grad(params, batch)
 

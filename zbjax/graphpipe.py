@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -44,7 +43,7 @@ from typing import Any
 
 from zbjax.errors import PartitionError
 from zbjax.schedules.dag import dag_1f1b, dag_zb, depth_to_sink, topological_order
-from zbjax.schedules.ir import Costs, Schedule, chain_edges, count, integer
+from zbjax.schedules.ir import Costs, Schedule, chain_edges, count, integer, real_number
 from zbjax.schedules.simulate import simulate
 
 #: At most this many branches of one parallel composition are grouped in every possible way;
@@ -109,11 +108,8 @@ class OpGraph:
                 value = getattr(node, label)
                 if value is None and label == "weight_cost":
                     continue
-                if (
-                    not isinstance(value, numbers.Real)
-                    or isinstance(value, bool)
-                    or not math.isfinite(value)
-                ):
+                number = real_number(value)  # Python, NumPy or 0-d array; not a bool
+                if number is None or not math.isfinite(number):
                     raise PartitionError(
                         f"op node {node.name!r} has {label} = {value!r}; it must be a finite number"
                     )

@@ -63,6 +63,7 @@ from zbjax.params import (
     staged_layout,
     sum_shared_gradients,
     unpack_stage_params,
+    wide_dtype,
     write_slots,
 )
 from zbjax.schedules.ir import Costs, Schedule
@@ -937,6 +938,11 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     edges = tables.edges
     msg_dtypes, msg_cap = low.message_dtypes, low.message_capacity
     num_micro = low.schedule.num_microbatches
+    # Each microbatch's backward is seeded with the power of two 2^-k nearest below 1/m
+    # (exact in every float dtype, where 1/3 rounded to bfloat16 is 0.3340: every gradient
+    # 0.2 % off), and its param gradients scaled by the rest, 2^k / m, in their own dtype.
+    power = num_micro.bit_length() - 1
+    seed, grad_scale = 2.0**-power, 2.0**power / num_micro
     loss_aval = graph.stages[graph.loss_stage].jaxpr.out_avals[0]
     stage = graph.stages[stage_index]
     program = low.programs[stage_index]
@@ -993,7 +999,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
 
     def output_cotangents(messages):
         if stage_index == graph.loss_stage:
-            return [jnp.full(loss_aval.shape, 1.0 / num_micro, loss_aval.dtype)]
+            return [jnp.full(loss_aval.shape, seed, loss_aval.dtype)]
         cts: list = [None] * n_outputs
         for e, values in messages.items():
             for pos, value in zip(out_positions[e], values, strict=True):
@@ -1126,19 +1132,21 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                     ]
                     _write_slots(stashed, tensor_axis)
                 else:
-                    _add_gradients(layout, stage_index, grads, rest)
+                    _add_gradients(layout, stage_index, grads, rest, grad_scale)
             else:  # BACKWARD_WEIGHT
                 apart = [i for i, (where, _) in enumerate(slots.stash) if where in B_WROTE]
                 stash = resolve(slots.stash, apart=apart if stash_apart else ())
                 param_cts = eval_jaxpr_here(program.backward_weight, *stash)
-                _add_gradients(layout, stage_index, grads, param_cts)
+                _add_gradients(layout, stage_index, grads, param_cts, grad_scale)
         return _TickState(buffers, grads, sends, loss)
 
     return action
 
 
-def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_cts) -> None:
-    """Adds a stage's param cotangents into the device's gradient rows.
+def _add_gradients(
+    layout: StagedLayout, stage_index: int, grads: list, param_cts, scale: float = 1.0
+) -> None:
+    """Adds a stage's param cotangents, times ``scale``, into the device's gradient rows.
 
     A stage's leaves of one dtype are contiguous in the row, so they are packed into one vector
     and added with one in-place slice update: one operation per dtype instead of one per leaf
@@ -1151,6 +1159,8 @@ def _add_gradients(layout: StagedLayout, stage_index: int, grads: list, param_ct
         # Integer params have float0 cotangents; their gradient stays zero.
         if ct.dtype == jax.dtypes.float0 or not jnp.issubdtype(slot.dtype, jnp.inexact):
             ct = jnp.zeros(layout.copy_shape(slot), slot.dtype)
+        elif scale != 1.0:
+            ct = ct * jnp.asarray(scale, ct.dtype)
         slots[k].append(slot)
         values[k].append(ct)
     for k, (these, cts) in enumerate(zip(slots, values, strict=True)):
@@ -1339,12 +1349,14 @@ def _run(
                 state.grads,
                 message_buf,
                 state.sends,
-                [a + b for a, b in zip(loss_sum, state.loss, strict=True)],
+                [a + b.astype(a.dtype) for a, b in zip(loss_sum, state.loss, strict=True)],
             )
             return carry, None
 
         grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
-        zero = _zeros(loss_avals)
+        # The loss and aux sums over microbatches are kept in float32 for 16-bit floats: a
+        # float16 sum of m losses overflows (4 x 30000) where their mean does not.
+        zero = _zeros([jax.ShapeDtypeStruct(a.shape, wide_dtype(a.dtype)) for a in loss_avals])
         sends = [
             [
                 jnp.zeros(n * c, dt)
@@ -1366,6 +1378,7 @@ def _run(
                 else g
                 for g in grads
             ]
+        loss = [t.astype(a.dtype) for t, a in zip(loss, loss_avals, strict=True)]
         # Every copy of a tied leaf gets the leaf's whole gradient; the rest stay where they are.
         grads = sum_shared_gradients(low.layout, grads, axis)
         pools = [b for buffer in arena_bufs for b in buffer]

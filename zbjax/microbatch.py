@@ -142,8 +142,24 @@ def reference_value_and_grad(
             else:  # one shard keeps key_i itself, as a pipeline without data axes does
                 extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
             value, grads = value_and_grad(params, block, *extra)
+            dtypes = jax.tree.map(jnp.result_type, (value, grads))
+            # Summed in float32 where 16-bit: a float16 sum of m terms overflows where their
+            # mean does not.
+            value, grads = jax.tree.map(_wide, (value, grads))
             value_sum = value if value_sum is None else jax.tree.map(jnp.add, value_sum, value)
             grad_sum = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
     scale = 1.0 / (num_microbatches * data_parallel)
-    mean = jax.tree.map(lambda v: v * jnp.asarray(scale, jnp.result_type(v)), value_sum)
-    return mean, jax.tree.map(lambda g: g * jnp.asarray(scale, g.dtype), grad_sum)
+    mean, grads = jax.tree.map(
+        lambda v, dtype: (v * jnp.asarray(scale, jnp.result_type(v))).astype(dtype),
+        (value_sum, grad_sum),
+        dtypes,
+    )
+    return mean, grads
+
+
+def _wide(x: Any) -> Any:
+    """``x`` in float32 if it is a 16-bit float array, else unchanged."""
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
+        return jnp.asarray(x, jnp.float32)
+    return x

@@ -426,6 +426,25 @@ def per_leaf(
         (rows,) = run(body, (list(params.rows),), (len(states.dtypes),), staged_layout.tensor_axis)
         return StagedState(rows, states.dtypes, staged_layout.fingerprint)
 
+    def validate(updates: Any, state: Any, params: Any):
+        """Returns ``setup``'s layout, treedef, views and state layout after checking that
+        the updates, state and params are this pipeline's (raises PipelineError)."""
+        staged_layout, treedef, views, states = setup(updates, "update")
+        sizes = tuple(np.shape(r)[-1] for r in getattr(state, "rows", ()))
+        widths = tuple(states.row_width(k) for k in range(len(states.dtypes)))
+        if (
+            not isinstance(state, StagedState)
+            or (state.dtypes, sizes) != (states.dtypes, widths)
+            or state.layout not in (None, staged_layout.fingerprint)
+        ):
+            raise PipelineError(
+                "per_leaf(...).update: the optimizer state is not the one per_leaf(...).init "
+                "made for this pipeline's layout; call init on the staged params again"
+            )
+        if params is not None:
+            check(params, "update")
+        return staged_layout, treedef, views, states
+
     jitted: dict[str, Callable] = {}  # layout fingerprint -> update compiled for it
 
     def update(
@@ -440,6 +459,9 @@ def per_leaf(
         ):
             # Called eagerly, the per-device shard_map would be traced and compiled again at
             # every step (its body is made anew): compile once per layout, as inside a jit.
+            # The arrays are checked at every call: the compiled update would take another
+            # pipeline's arrays of the same shapes without tracing (and checking) again.
+            validate(updates, state, params)
             fingerprint = layout()[0].fingerprint
             if fingerprint not in jitted:
                 jitted[fingerprint] = jax.jit(traced_update)
@@ -452,21 +474,8 @@ def per_leaf(
         params: StagedParams | None = None,
         **extra_args: Any,
     ):
-        staged_layout, treedef, views, states = setup(updates, "update")
-        sizes = tuple(np.shape(r)[-1] for r in getattr(state, "rows", ()))
-        widths = tuple(states.row_width(k) for k in range(len(states.dtypes)))
-        if (
-            not isinstance(state, StagedState)
-            or (state.dtypes, sizes) != (states.dtypes, widths)
-            or state.layout not in (None, staged_layout.fingerprint)
-        ):
-            raise PipelineError(
-                "per_leaf(...).update: the optimizer state is not the one per_leaf(...).init "
-                "made for this pipeline's layout; call init on the staged params again"
-            )
+        staged_layout, treedef, views, states = validate(updates, state, params)
         with_params = params is not None
-        if with_params:
-            check(params, "update")
 
         def body(grad_rows, state_rows, param_rows, extra):
             def branch(d):

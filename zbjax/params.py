@@ -543,6 +543,14 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
     return per_device(axis, layout.num_devices, scatter, list(rows), totals)
 
 
+def wide_dtype(dtype: Any) -> Any:
+    """Returns float32 for a 16-bit float dtype (sums kept in it lose less and do not
+    overflow), else ``dtype``."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 def reduce_wide(collective: Callable[..., Any], x: jax.Array, axes: Any) -> jax.Array:
     """Returns ``collective(x, axes)`` (``jax.lax.psum`` or ``pmean``), a 16-bit float reduced
     in float32: XLA:CPU aborted the process compiling a bfloat16 all-reduce in a step whose
@@ -651,7 +659,10 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
             # sharded over the devices (explicitly so, too) can be reduced over, not sliced.
             part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi].astype(jnp.float32)
             squares = jnp.sum(jnp.square(part), axis=1)
-            total = total - jnp.sum(squares * np.eye(layout.num_devices, dtype=np.float32)[device])
+            # Selected, not multiplied by the one-hot: another device's same columns may be
+            # padding an optimizer filled with NaN (0 * NaN is NaN).
+            mine = np.arange(layout.num_devices) == device
+            total = total - jnp.sum(jnp.where(mine, squares, 0.0))
     return jnp.sqrt(jnp.maximum(total, 0.0))
 
 

@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import numbers
 import os
 import statistics
 import tempfile
@@ -75,7 +74,7 @@ from zbjax.params import (
 )
 from zbjax.partition import caller_stacklevel, leaf_aval, partition, stage_summary
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
-from zbjax.schedules.ir import Costs, Schedule, integer
+from zbjax.schedules.ir import Costs, Schedule, integer, real_number
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import check_row_splits, check_stage_permutes, leaf_splits, tensor_axis
@@ -270,7 +269,10 @@ class Pipeline:
                     "Schedule.w_mem); pass them to zbjax.schedules.build(...) instead"
                 )
             try:
-                schedules.validate(schedule)
+                # Every action once, in an order that runs. Not its memory limit: a planning
+                # bound (zb-auto records 2 x stages when given none) that the step does not
+                # enforce, and a hand-edited order may pass it and still run right.
+                schedules.validate(dataclasses.replace(schedule, mem_limit=None))
             except ScheduleError as error:
                 raise ScheduleError(
                     f"schedule= is a Schedule that does not run as given: {error}"
@@ -287,7 +289,7 @@ class Pipeline:
                 "use partitioner='chain' for a fixed count"
             )
         if placement is not None and (
-            not isinstance(placement, Sequence | np.ndarray) or isinstance(placement, str)
+            isinstance(placement, str | bytes | dict) or np.ndim(placement) != 1
         ):
             raise PipelineError(
                 f"placement={placement!r}; pass the device of each stage, e.g. (0, 1, 1)"
@@ -482,12 +484,18 @@ class Pipeline:
         ``jax.set_mesh`` context of another mesh around the call."""
         context = jax.sharding.get_abstract_mesh()
         if not context.empty and context != self.mesh.abstract_mesh:
-            shown = ", ".join(f"{n!r}: {s}" for n, s in context.shape.items())
+
+            def axes(mesh: Any) -> str:
+                return ", ".join(
+                    f"{n!r}: {size} {t.name}"
+                    for (n, size), t in zip(mesh.shape.items(), mesh.axis_types, strict=True)
+                )
+
             raise PipelineError(
-                f"the call runs inside jax.set_mesh of a mesh with axes {{{shown}}}, but this "
-                f"pipeline runs on its own mesh {dict(self.mesh.shape)}; call it outside that "
-                "context, or set the pipeline's mesh (jax.set_mesh(pipe.mesh)), or build the "
-                "pipeline on the context's mesh"
+                f"the call runs inside jax.set_mesh of a mesh with axes {{{axes(context)}}}, "
+                f"but this pipeline runs on its own mesh {{{axes(self.mesh)}}}; call it outside "
+                "that context, or set the pipeline's mesh (jax.set_mesh(pipe.mesh)), or build "
+                "the pipeline on the context's mesh"
             )
         devices = set(self.mesh.devices.flat)
 
@@ -685,11 +693,8 @@ class Pipeline:
         clipping the user-layout grads would (staged or user-layout updates both work)."""
         import optax
 
-        if (
-            not isinstance(max_norm, numbers.Real | jax.Array)
-            or isinstance(max_norm, bool)
-            or jnp.ndim(max_norm) != 0
-        ):
+        # A number (Python, NumPy, a 0-d array), or a traced scalar (a schedule's value).
+        if not isinstance(max_norm, jax.core.Tracer) and real_number(max_norm) is None:
             raise PipelineError(f"max_norm={max_norm!r}; pass a number (the largest global norm)")
 
         def update(updates, state, params=None):
@@ -901,15 +906,37 @@ class Pipeline:
             self._check_staged(params, built)
             # The rows hold arrays: every leaf is strongly typed, as jax.jit sees
             # pipe.unstage(rows) (a Python scalar param is weakly typed only until staged).
-            avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._params_avals)
+            # Where that cuts the model elsewhere (an automatic cut: bf16 * scale turns
+            # float32 where scale is an array), the rows' layout decides: the weak types stay.
+            strong = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._params_avals)
+            tries = [strong] if strong == self._params_avals else [strong, self._params_avals]
         else:
             self._check_params(params)  # the params' avals are this pipeline's from here on
-            avals = self._params_avals
-        params_avals = jax.tree_util.tree_unflatten(self._params_treedef, avals)
+            tries = [self._params_avals]
         key_aval = None if key is None else _avals(key, "key")
         if key_aval is not None:
             _check_key(key_aval)
         batch_avals = _avals(batch, "batch")
+        for avals in tries:
+            built = self._built_for(avals, batch, batch_avals, key_aval, first)
+            if self._last is None or self._last.lowering.layout == built.lowering.layout:
+                break
+        else:
+            raise PipelineError(
+                "this batch shape partitions the model into different stages than before, so "
+                "the staged params layout would change; keep the batch shape fixed or build a "
+                "new zbjax.pipeline"
+            )
+        self._last = built
+        # Avals, not values: under a user's jit these are tracers that must not outlive it.
+        self._last_inputs = _avals((params, batch, key))
+        return built
+
+    def _built_for(
+        self, avals: tuple, batch: Any, batch_avals: Any, key_aval: Any, first: bool
+    ) -> _Built:
+        """Returns the build for params of ``avals`` (weak types included) and the batch's
+        shapes, building it on first use."""
         cache_key = (
             tuple(a.weak_type for a in avals),
             jax.tree_util.tree_structure(batch),
@@ -919,6 +946,7 @@ class Pipeline:
         if cache_key not in self._built:
             # Shapes decide the build, so a batch of known shapes needs no checking again
             # (tracing the microbatch split costs milliseconds of every step otherwise).
+            params_avals = jax.tree_util.tree_unflatten(self._params_treedef, avals)
             try:
                 micro = self._microbatch_avals(batch)
                 built = self._build(params_avals, micro, key_aval)
@@ -929,17 +957,7 @@ class Pipeline:
                     self._params_treedef = self._params_avals = None
                 raise
             self._built[cache_key] = built
-        built = self._built[cache_key]
-        if self._last is not None and self._last.lowering.layout != built.lowering.layout:
-            raise PipelineError(
-                "this batch shape partitions the model into different stages than before, so "
-                "the staged params layout would change; keep the batch shape fixed or build a "
-                "new zbjax.pipeline"
-            )
-        self._last = built
-        # Avals, not values: under a user's jit these are tracers that must not outlive it.
-        self._last_inputs = _avals((params, batch, key))
-        return built
+        return self._built[cache_key]
 
     def _check_aux_rows(
         self, graph: StageGraph, params_avals: Any, batch_avals: Any, key_aval: Any
@@ -1238,8 +1256,9 @@ class Pipeline:
                 }.get(kind, f"pass num_stages={self.num_devices}")
                 raise ScheduleError(
                     f"{spec} runs one stage per device, but the {kind} partition has {count} "
-                    f"stages on the {self.num_devices} devices of axis {self.axis_name!r}; use "
-                    f"a pp axis of {count} devices, {fix}, or a schedule that puts several "
+                    f"stage{'s' if count != 1 else ''} on the {self.num_devices} devices of "
+                    f"axis {self.axis_name!r}; use a pp axis of {count} "
+                    f"device{'s' if count != 1 else ''}, {fix}, or a schedule that puts several "
                     "stages on a device (zb-v or interleaved-1f1b: exactly 2 per device; "
                     "dag-1f1b or dag-zb with placement=)"
                 )
@@ -1250,7 +1269,12 @@ class Pipeline:
                     f"{graph.num_stages}; place {want - 1} markers, or remove them and pass "
                     f"num_stages={want} to cut automatically,"
                     if kind == "markers"
-                    else f"the model has {graph.num_stages}; pass num_stages={want}"
+                    else (
+                        f"num_stages={self.num_stages} was given"
+                        if self.num_stages is not None
+                        else f"the model has {graph.num_stages}"
+                    )
+                    + f"; pass num_stages={want}"
                 )
                 raise ScheduleError(
                     f"{spec} needs 2 stages per device: {want} stages on the "

@@ -215,7 +215,9 @@ def _list_schedule(
             raise ScheduleError(
                 f"{name}: memory limit {limit:g} M_B per device is too small for this "
                 f"schedule (p = {num_devices}, m = {num_microbatches}, w_mem = {w_mem:g}): "
-                "no device can start an action; raise mem_limit or use 'zb-auto'"
+                "no device can start an action; raise mem_limit"
+                # zb-auto places one stage per device, not zb-v's two.
+                + (" or use 'zb-auto'" if name != "zb-v" else "")
             )
         # Unit costs: what starts this tick ends before the next tick begins.
         done.update(started)

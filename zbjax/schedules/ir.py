@@ -50,7 +50,7 @@ def count(
     return number
 
 
-def _real(value: object) -> float | None:
+def real_number(value: object) -> float | None:
     """Returns ``value`` as a float if it is a real number (Python, NumPy, a 0-d array; not a
     bool or a string), else None."""
     if isinstance(value, bool | np.bool_ | str | bytes):
@@ -300,12 +300,12 @@ class Costs:
                 continue
             # NumPy scalars and 0-d arrays are numbers; sequences are per stage. A string
             # ("2") or a bool is neither, though float() would take it.
-            number = _real(value) if np.ndim(value) == 0 else None
+            number = real_number(value) if np.ndim(value) == 0 else None
             if number is None and name in ("comm", "comm_message"):
                 raise ScheduleError(f"costs.{name} = {value!r} is not a number")
             per_stage = None
             if number is None and np.ndim(value) == 1 and not isinstance(value, str):
-                per_stage = tuple(_real(v) for v in value)
+                per_stage = tuple(real_number(v) for v in value)
             if number is None and (per_stage is None or None in per_stage):
                 raise ScheduleError(
                     f"costs.{name} = {value!r} is not a number or a sequence of numbers "

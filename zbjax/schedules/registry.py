@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import numbers
 from typing import Any
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules import dag, generators
-from zbjax.schedules.ir import Costs, Schedule, count
+from zbjax.schedules.ir import Costs, Schedule, count, real_number
 from zbjax.schedules.simulate import peak_memory
 from zbjax.schedules.validate import validate
 
@@ -46,12 +45,13 @@ _FIXED = {
 
 def _check_number(label: str, value: Any, low: float, high: float | None = None) -> float:
     """Returns ``value`` as a float after checking it is a number in [low, high]."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or value != value:
+    number = real_number(value)  # a Python, NumPy or 0-d JAX number; not a bool or a string
+    if number is None or number != number:
         raise ScheduleError(f"{label} = {value!r} is not a number")
-    if value < low or (high is not None and value > high):
+    if number < low or (high is not None and number > high):
         span = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
         raise ScheduleError(f"{label} = {value!r} is out of range; it must be {span}")
-    return float(value)
+    return number
 
 
 def _zb_auto(
