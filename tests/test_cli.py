@@ -179,3 +179,57 @@ def test_bad_dag_options_exit_2_naming_the_value(capsys, argv, needle):
     assert main(["schedule", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_plot_and_trace_paths_are_reported_as_written(tmp_path, capsys, monkeypatch):
+    # matplotlib adds ".png" to a name without a suffix; the report once named the file
+    # given, not the one written. A directory or an empty name is refused before any work.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outdir").mkdir()
+    assert main(["schedule", "zb-h1", "-p", "2", "-m", "2", "--plot", "chart"]) == 0
+    assert "wrote gantt chart to chart.png" in capsys.readouterr().out
+    assert (tmp_path / "chart.png").read_bytes()[:8] == PNG_MAGIC
+    for flag, path, needle in (
+        ("--plot", "outdir", "is a directory"),
+        ("--trace", "outdir", "is a directory"),
+        ("--plot", "", "is not a file name"),
+    ):
+        assert main(["schedule", "zb-h1", "-p", "2", "-m", "2", flag, path]) == 2
+        captured = capsys.readouterr()
+        assert needle in captured.err and captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png", "outdir"]
+
+
+def test_json_is_strict_json_with_no_memory_limit_as_null(capsys):
+    assert main(["schedule", "zb-h1", "-p", "2", "-m", "2", "--mem-limit", "inf", "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "Infinity" not in text
+    assert json.loads(text)["mem_limit"] is None
+
+
+def test_zb_auto_takes_a_stage_dag_from_edges(capsys):
+    report = run_json(capsys, "zb-auto", "-p", "4", "-m", "4", *DIAMOND)
+    assert report["edges"] == [[0, 1], [0, 2], [1, 3], [2, 3]]
+    assert report["placement"] == [0, 1, 2, 3]
+    assert main(["schedule", "zb-auto", "-p", "3", "-m", "4", *DIAMOND]) == 2
+    assert "one stage per device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "costs, needle",
+    [("1,1", "3 or 4"), ("1e308,1e308,1e308", "overflow"), ("1,1,1,1e308", "overflow")],
+)
+def test_costs_messages_say_what_is_accepted(capsys, costs, needle):
+    assert main(["schedule", "zb-h1", "-p", "2", "-m", "2", "--costs", costs]) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and captured.out == ""
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    # `zbjax schedule ... | head -1` printed "error: Broken pipe".
+    argv = [sys.executable, "-m", "zbjax.cli", "schedule", "zb-v", "-p", "8", "-m", "64"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=120) in (0, 1)
+    assert proc.stderr.read() == b""

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from zbjax import demo
 from zbjax.cli import main
 from zbjax.data import ALPHABET, CharTokenizer, batch_at, synthetic_sentence, synthetic_text
 from zbjax.demo import DemoConfig, Progress, StepInfo, compare_first_step, run_demo, summary
@@ -204,8 +205,14 @@ def test_progress_prints_lines_in_a_log_and_a_carriage_return_bar_on_a_terminal(
 def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
     assert main(["demo", "--batch-size", "6", "--microbatches", "4", "--devices", "2"]) == 2
     assert "batch_size=6" in capsys.readouterr().err
-    assert main(["demo", "--devices", "2", "--layers", "1", "--stages", "4"]) == 2
+    assert main(["demo", "--schedule", "zb-v", "--devices", "2", "--layers", "1"]) == 2
     assert "layers" in capsys.readouterr().err
+    # --stages other than the schedule's count: the CLI user gets the demo's terms (the
+    # errors named num_stages=, placement= and partitioner=, which the demo has no flags for).
+    for argv in (["--stages", "3"], ["--schedule", "interleaved-1f1b", "--stages", "6"]):
+        assert main(["demo", "--devices", "2", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "leave stages out" in err and "num_stages=" not in err
     assert main(["demo", "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err
     # A file where a directory goes: the profiler failed only after training, in a traceback.
@@ -219,11 +226,18 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
     # A seed numpy refuses, an lr that diverges at once, a tp that would split nothing.
     for argv, needle in [
         (["--seed", "-1"], "seed=-1"),
+        (["--seed", str(2**63)], "below 2**63"),
         (["--lr", "inf"], "lr=inf; the learning rate must be finite"),
         (["--tp", "3"], "tp=3 must divide heads=4"),
     ]:
         assert main(["demo", "--devices", "2", *argv]) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_dag_schedules_place_more_stages_than_devices_in_blocks():
+    config = DemoConfig(schedule="dag-zb", devices=2, stages=5)
+    assert demo._stages_and_placement(config, 2) == (5, (0, 0, 0, 1, 1))
+    assert demo._stages_and_placement(DemoConfig(schedule="zb-v"), 2) == (4, None)
 
 
 def test_summary_of_one_step_claims_no_trend_and_says_compilation_is_included(tiny_run):

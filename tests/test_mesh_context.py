@@ -73,6 +73,20 @@ def test_a_batch_sharded_over_explicit_axes_is_split_into_microbatches(spec):
     assert_close(reference, result)
 
 
+def test_measure_costs_takes_a_batch_sharded_over_explicit_axes():
+    """The costs are timed on one device: the first microbatch's slice of rows sharded over
+    an explicit axis raised JAX's ShardingTypeError, and arrays typed on the mesh could not
+    run there."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 16)
+    mesh = jax.make_mesh((2, 4), ("pp", "dp"), axis_types=(EXPLICIT,) * 2)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("dp")))
+    costs = pipe.measure_costs(params, sharded, repeats=1, comm=False)
+    assert len(costs.f) == 2 and min(costs.f + costs.b + costs.w) > 0
+
+
 def test_inputs_committed_to_other_devices_are_named():
     """Params restored to one device (jax.value_and_grad takes them) failed with JAX's
     "incompatible devices" naming zbjax internals; the leaf and the fix are named now."""
@@ -86,6 +100,12 @@ def test_inputs_committed_to_other_devices_are_named():
         pipe.value_and_grad(on_one, batch)
     with pytest.raises(zbjax.PipelineError, match=r"batch leaf .* jax.device_put\(batch"):
         pipe.lower(params, jax.device_put(batch, jax.devices()[5]))
+    # The mesh's devices in another order: jax.jit refuses them too (device orders differ).
+    permuted = jax.make_mesh(
+        (2, 2), ("pp", "dp"), axis_types=(AUTO,) * 2, devices=jax.devices()[:4][::-1]
+    )
+    with pytest.raises(zbjax.PipelineError, match=r"batch leaf .* devices in another order"):
+        pipe.value_and_grad(params, jax.device_put(batch, NamedSharding(permuted, P())))
     staged = pipe.stage(on_one, batch)  # staging moves them onto the mesh
     assert_close(
         (lambda r: (r[0], pipe.unstage(r[1])))(pipe.value_and_grad(staged, batch)),

@@ -810,6 +810,17 @@ def test_a_key_kept_for_the_backward_is_stored_as_key_data(schedule):
     assert_close(pipe.value_and_grad(params, batch, key=key), reference)
 
 
+def test_a_data_axis_of_size_one_keeps_the_microbatch_keys():
+    # One data-parallel shard draws with key_i itself, as on a mesh without the axis
+    # (fold_in(key_i, 0) once drew other dropout bits than reference(data_parallel=1)).
+    params, batch = two_layer_case(3)
+    mesh = jax.make_mesh((2, 1), ("pp", "dp"), axis_types=(AUTO, AUTO), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(remat_dropout_loss, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    key = jax.random.key(3)
+    reference = reference_value_and_grad(remat_dropout_loss, params, batch, 2, key)
+    assert_close(pipe.value_and_grad(params, batch, key=key), reference)
+
+
 def test_batch_leaves_of_different_lengths_are_rejected_under_data_parallelism(mlp_setup):
     # Each data-parallel shard takes a block of every leaf's rows: with 16 inputs and 8
     # targets a shard's 2 inputs would meet 1 target, which broadcasts to a wrong loss.

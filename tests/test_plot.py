@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from zbjax.errors import ScheduleError
 from zbjax.schedules import Costs, Schedule, build, parse_actions, simulate
 from zbjax.schedules.plot import chrome_trace, gantt, text_grid, write_trace
 
@@ -184,3 +185,47 @@ def test_gantt_without_matplotlib_names_the_extra_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ImportError, match=r"pip install 'zbjax\[plot\]'"):
         gantt(two_device_schedule())
+
+
+def test_text_grid_takes_costs_as_gantt_does():
+    schedule = build("zb-h1", 2, 2)
+    costs = Costs(f=1, b=2, w=1)
+    assert text_grid(schedule, costs) == text_grid(schedule, simulate(schedule, costs))
+
+
+def test_text_grid_leaves_out_actions_that_take_no_time():
+    # A W of cost 0 took a column and pushed every later action of its device right, so the
+    # ruler ran past the makespan and F2 was drawn one slot after it starts.
+    schedule = build("zb-h1", 2, 3)
+    result = simulate(schedule, Costs(f=1, b=1, w=0))
+    lines = text_grid(schedule, result).splitlines()
+    assert lines[0].split()[-1] == f"{result.makespan - 1:g}"  # one column per time unit
+    starts = {a: result.start[a] for a in schedule.actions[0]}
+    cells = lines[1].split()[1:]
+    for action, start in starts.items():
+        if action.kind != "W":
+            assert cells[int(start)] == f"{action.kind}{action.microbatch}"
+    assert "W" not in lines[1] + lines[2]
+    assert lines[-1] == "(W actions take no time and are not drawn)"
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda s: simulate(s, (1, 1, 1)), "is not a zbjax.schedules.Costs"),
+        (lambda s: simulate("zb-h1"), "build it first"),
+        (lambda s: text_grid(s, simulate(build("1f1b", 3, 3))), "not this schedule's"),
+        (lambda s: text_grid(s, width=0), "width = 0"),
+        (lambda s: gantt(s, path=""), "not a file name"),
+        (lambda s: write_trace(s, "."), "is a directory"),
+        (lambda s: chrome_trace("zb-h1"), "takes a Schedule"),
+    ],
+)
+def test_wrong_arguments_raise_schedule_errors(call, needle):
+    with pytest.raises(ScheduleError, match=needle):
+        call(build("zb-h1", 2, 2))
+
+
+def test_simulated_times_that_overflow_are_refused():
+    with pytest.raises(ScheduleError, match="overflow"):
+        simulate(build("1f1b", 2, 2), Costs(f=1e308, b=1e308, w=1e308))

@@ -9,7 +9,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules import KINDS, Action, Costs, Schedule, chain_edges, parse_actions
+from zbjax.schedules import (
+    KINDS,
+    Action,
+    Costs,
+    Schedule,
+    build,
+    chain_edges,
+    parse_actions,
+    simulate,
+    span_bubble_rate,
+    validate,
+)
 
 
 @given(st.sampled_from(KINDS), st.integers(0, 10_000), st.integers(0, 10_000))
@@ -192,3 +203,49 @@ def test_an_exchange_costs_comm_plus_comm_message_per_further_message():
     costs = Costs(comm=2.0, comm_message=0.5)
     assert [costs.exchange(n) for n in (1, 2, 4)] == [2.0, 2.5, 3.5]
     assert Costs(comm=2.0).exchange(3) == 2.0  # latency-bound by default
+
+
+def test_actions_may_be_written_as_text():
+    written = Schedule("x", 1, 1, (0,), (("0F0", "0BW0"),))
+    assert written.actions == ((Action("F", 0, 0), Action("BW", 0, 0)),)
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda: Schedule("x", 1, 1, (0,), ((("F", 0, 0),),)), "not an Action"),
+        (lambda: Schedule("x", 1, 1, (0,), "0F0 0BW0"), "per-device action lists"),
+        (lambda: Schedule("x", 1, 1, (0,), (5,)), r"actions\[0\] = 5"),
+        (lambda: Schedule("x", 2, 1, None, ((), ())), "placement = None"),
+        (lambda: Schedule("x", 2, 1, (0, 1), ((), ()), edges=[(0,)]), r"edge \(0,\)"),
+        (lambda: Schedule("x", 2, 1, (0, 1), ((), ()), edges="0-1"), "edges = '0-1'"),
+        (lambda: Schedule("x", 2, 1, (0, 1), ((), ()), stage_names=("a",)), "2 strings"),
+        (lambda: Schedule("x", 2, 1, (0, 1), ((), ()), stage_names="ab"), "2 strings"),
+        (lambda: Costs(comm=None), "costs.comm = None"),
+        (lambda: Action.parse(5), "cannot parse action 5"),
+    ],
+)
+def test_malformed_schedules_and_costs_raise_schedule_errors(make, needle):
+    with pytest.raises(ScheduleError, match=needle):
+        make()
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: build("zb-auto", 3, 2, edges="0-1"), "edges = '0-1'"),
+        (lambda: build("dag-zb", 2, 2, edges=[0, 1], placement=(0, 1)), "edge 0 is not"),
+        (lambda: build("dag-zb", 2, 2, edges=None, placement=(0, 1)), "edges = None"),
+        (lambda: build("dag-zb", 2, 2, edges=[(0, 1)], placement=None), "placement = None"),
+        (
+            lambda: build("dag-zb", 2, 2, edges=[(0, 1)], placement=(0, 1), stage_names="ab"),
+            "one string",
+        ),
+        (lambda: build("zb-v", 4, 4, mem_limit=1.5), "needs at least 2"),
+        (lambda: validate("zb-h1"), "build it first"),
+        (lambda: span_bubble_rate(build("1f1b", 3, 3), simulate(build("1f1b", 2, 2))), "0F2"),
+    ],
+)
+def test_bad_arguments_to_build_and_validate_raise_schedule_errors(call, needle):
+    with pytest.raises(ScheduleError, match=needle):
+        call()

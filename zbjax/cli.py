@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,8 +33,8 @@ def parse_costs(text: str) -> tuple[float, float, float, float]:
     parts = [p.strip() for p in text.split(",")]
     if len(parts) not in (3, 4):
         raise UsageError(
-            f"--costs {text!r} has {len(parts)} values; give F,B,W,COMM as 4 comma-separated "
-            "numbers, e.g. --costs 1,1,1,0"
+            f"--costs {text!r} has {len(parts)} values; give F,B,W or F,B,W,COMM (3 or 4 "
+            "comma-separated numbers; COMM defaults to 0), e.g. --costs 1,1,1,0"
         )
     values = []
     for name, part in zip(("F", "B", "W", "COMM"), parts, strict=False):
@@ -80,7 +81,8 @@ def schedule_summary(schedule: Any, result: Any, costs: Any) -> dict[str, Any]:
         "placement": list(schedule.placement),
         "edges": [list(e) for e in schedule.edges],
         "stage_names": list(schedule.stage_names) if schedule.stage_names else None,
-        "mem_limit": schedule.mem_limit,
+        # JSON has no infinity: no limit (None, or inf as given) is null.
+        "mem_limit": schedule.mem_limit if math.isfinite(schedule.mem_limit or math.inf) else None,
         "w_mem": schedule.w_mem,
         "costs": {
             "f": costs.f,
@@ -165,6 +167,27 @@ def _dag_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _auto_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Returns build() options for zb-auto: its stage DAG from --edges (one stage per device,
+    stage s on device s), or none for a chain."""
+    if args.edges is None:
+        return {}
+    if args.placement or args.stage_names:
+        raise UsageError(
+            "zb-auto puts stage s on device s: give --edges only, without --placement and "
+            "--stage-names (those go with dag-1f1b and dag-zb)"
+        )
+    edges = parse_edges(args.edges)
+    num_stages = max(max(e) for e in edges) + 1
+    if num_stages != args.p or args.stages not in (None, num_stages):
+        raise UsageError(
+            f"--edges name {num_stages} stages (0..{num_stages - 1}) but -p is {args.p}"
+            + (f" and --stages {args.stages}" if args.stages is not None else "")
+            + "; zb-auto runs one stage per device, so give -p equal to the stage count"
+        )
+    return {"edges": edges}
+
+
 def _check_positive(flag: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{flag} {value}: it must be at least 1")
@@ -173,6 +196,7 @@ def _check_positive(flag: str, value: int | None) -> None:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     """Builds, validates and simulates one schedule; prints it; writes --plot/--trace files."""
     from zbjax import schedules
+    from zbjax.schedules.plot import output_path
 
     _check_positive("-p", args.p)
     _check_positive("-m", args.m)
@@ -183,18 +207,21 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         raise UsageError(f"--w-mem {args.w_mem}: it must lie in [0, 1] (a fraction of M_B)")
     f, b, w, comm = parse_costs(args.costs) if args.costs else (1.0, 1.0, 1.0, 0.0)
     costs = schedules.Costs(f=f, b=b, w=w, comm=comm)
-    if args.edges is not None and args.name not in schedules.DAG_SCHEDULE_NAMES:
+    takes_edges = (*schedules.DAG_SCHEDULE_NAMES, "zb-auto")
+    if args.edges is not None and args.name not in takes_edges:
         raise UsageError(
-            f"--edges goes with the DAG schedules {', '.join(schedules.DAG_SCHEDULE_NAMES)}, "
-            f"not {args.name}"
+            f"--edges goes with the DAG schedules {', '.join(schedules.DAG_SCHEDULE_NAMES)} "
+            f"and zb-auto, not {args.name}"
         )
-    options = _dag_options(args)
+    plot = None if args.plot is None else output_path(args.plot, "--plot", ".png", add_suffix=True)
+    trace = None if args.trace is None else output_path(args.trace, "--trace", ".json")
+    options = _auto_options(args) if args.name == "zb-auto" else _dag_options(args)
     if args.name in schedules.DAG_SCHEDULE_NAMES and not options:
         raise UsageError(
             f"{args.name} runs on a stage DAG: give --edges (e.g. --edges 0-1,0-2,1-3,2-3) "
             "and optionally --placement and --stage-names"
         )
-    if options:
+    if "placement" in options:
         num_stages = len(options["placement"])
         num_devices = None
     else:
@@ -213,17 +240,17 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     schedules.validate(schedule)
     result = schedules.simulate(schedule, costs)
 
-    if args.plot:
+    if plot is not None:
         from zbjax.schedules.plot import gantt
 
-        gantt(schedule, costs, path=args.plot)
-    if args.trace:
+        gantt(schedule, costs, path=plot)
+    if trace is not None:
         from zbjax.schedules.plot import write_trace
 
-        write_trace(schedule, args.trace, costs)
+        write_trace(schedule, trace, costs)
 
     if args.json:
-        print(json.dumps(schedule_summary(schedule, result, costs)))
+        print(json.dumps(schedule_summary(schedule, result, costs), allow_nan=False))
         return 0
     from zbjax.schedules.plot import text_grid
 
@@ -238,8 +265,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     print(f"span bubble  {span_rate:.4f} ({span_rate:.1%}) of back-to-back steps (the paper's)")
     peaks = " ".join(f"{m:g}" for m in result.peak_memory)
     print(f"peak memory  {peaks}  (M_B per device, w_mem={schedule.w_mem:g})")
-    for flag, path in (("gantt chart", args.plot), ("trace", args.trace)):
-        if path:
+    for flag, path in (("gantt chart", plot), ("trace", trace)):
+        if path is not None:
             print(f"wrote {flag} to {path}")
     return 0
 
@@ -279,7 +306,7 @@ def _add_schedule_parser(subparsers: Any) -> None:
         "--edges",
         default=None,
         metavar="S-D,...",
-        help="stage DAG edges for dag-1f1b/dag-zb, e.g. 0-1,0-2,1-3,2-3",
+        help="stage DAG edges for dag-1f1b, dag-zb and zb-auto, e.g. 0-1,0-2,1-3,2-3",
     )
     parser.add_argument(
         "--placement", default=None, metavar="D,...", help="device of each DAG stage"
@@ -385,7 +412,8 @@ def _add_demo_parser(subparsers: Any) -> None:
         "--stages",
         type=int,
         default=None,
-        help="model stages (default: devices, or 2 x devices for zb-v and interleaved-1f1b)",
+        help="model stages (default: devices, or 2 x devices for zb-v and interleaved-1f1b; "
+        "dag-1f1b and dag-zb take more stages than devices, placed in contiguous blocks)",
     )
     for flag, value, what in (
         ("--microbatches", default.microbatches, "microbatches per step"),
@@ -408,7 +436,11 @@ def _add_demo_parser(subparsers: Any) -> None:
         help=f"where to write the Gantt PNG and trace (default ./{default.out_dir}/)",
     )
     parser.add_argument(
-        "--profile", default=None, metavar="DIR", help="write a jax.profiler trace of two steps"
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a jax.profiler trace of the second and third steps (the first is mostly "
+        "compilation; with --steps 1, that one)",
     )
     parser.add_argument(
         "--check-final",
@@ -440,6 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.command(args)
+    except BrokenPipeError:
+        # The reader of stdout went away (``zbjax schedule ... | head``): stop quietly, with
+        # Python's recipe (stdout to devnull, so that flushing it at exit does not fail too).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (ZbjaxError, ValueError) as err:
         print(f"zbjax {args.subcommand}: error: {err}", file=sys.stderr)
         return USAGE_ERROR

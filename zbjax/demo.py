@@ -194,8 +194,8 @@ def _check_config(config: DemoConfig) -> None:
         )
     if not 0 < config.lr < math.inf:
         raise PipelineError(f"lr={config.lr}; the learning rate must be finite and > 0")
-    if config.seed < 0:
-        raise PipelineError(f"seed={config.seed}; it must be >= 0")
+    if not 0 <= config.seed < 2**63:  # jax.random.key takes a signed 64-bit seed
+        raise PipelineError(f"seed={config.seed}; it must be >= 0 and below 2**63")
     if config.tp > 1 and (config.heads % config.tp or (4 * config.width) % config.tp):
         # Otherwise the attention and MLPs of every stage would stay replicated over the tp
         # devices (models.gpt.tensor_parallel_specs leaves what it cannot split whole).
@@ -204,6 +204,26 @@ def _check_config(config: DemoConfig) -> None:
             f"heads) and the MLP's {4 * config.width} hidden features; choose a tp that "
             "divides both"
         )
+
+
+def _stages_and_placement(
+    config: DemoConfig, num_devices: int
+) -> tuple[int, tuple[int, ...] | None]:
+    """Returns the model's stage count on ``num_devices`` pipeline devices and, for the DAG
+    schedules given more stages than devices, their placement (contiguous blocks of stages
+    per device); raises PipelineError for a stage count the schedule cannot run."""
+    per_device = 2 if config.schedule in TWO_STAGES_PER_DEVICE else 1
+    fixed = num_devices * per_device
+    if config.stages is None or config.stages == fixed:
+        return fixed, None
+    if config.schedule in schedules.DAG_SCHEDULE_NAMES and config.stages > num_devices:
+        return config.stages, tuple(s * num_devices // config.stages for s in range(config.stages))
+    several = f"{per_device} stages per device" if per_device > 1 else "one stage per device"
+    raise PipelineError(
+        f"stages={config.stages}: {config.schedule} runs {several}, so {fixed} stages on "
+        f"{num_devices} pipeline devices; leave stages out, set the devices instead, or use "
+        f"dag-1f1b or dag-zb, which place more stages than devices in blocks"
+    )
 
 
 def _make_dirs(config: DemoConfig) -> None:
@@ -403,9 +423,7 @@ def run_demo(
     request_cpu_devices(config.devices and config.devices * config.tp)
     mesh = _pp_mesh(config.devices, config.tp)
     num_devices = int(mesh.shape["pp"])
-    num_stages = config.stages or num_devices * (
-        2 if config.schedule in TWO_STAGES_PER_DEVICE else 1
-    )
+    num_stages, placement = _stages_and_placement(config, num_devices)
 
     tokenizer = CharTokenizer()
     corpus = tokenizer.encode(synthetic_text(config.corpus_chars, seed=config.seed))
@@ -424,6 +442,7 @@ def run_demo(
         schedule=config.schedule,
         num_microbatches=config.microbatches,
         num_stages=num_stages,
+        placement=placement,
         param_specs=(
             gpt.tensor_parallel_specs(params, "tp", config.tp, cfg.num_heads)
             if config.tp > 1

@@ -1233,8 +1233,9 @@ def _run(
 
     def device_program(rows, batch, xs, given_pools):
         rows = [r[0] for r in rows]
-        if low.key_leaf is not None and data_axes:
-            # Each data-parallel shard draws its own bits: fold_in(key_i, shard).
+        if low.key_leaf is not None and low.data_parallel_size > 1:
+            # Each data-parallel shard draws its own bits: fold_in(key_i, shard). (Data axes
+            # of size 1 make one shard, which keeps key_i, as a mesh without them does.)
             shard = jax.lax.axis_index(data_axes)
             batch = list(batch)
             fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))

@@ -74,6 +74,7 @@ from zbjax.params import (
 )
 from zbjax.partition import caller_stacklevel, leaf_aval, partition, stage_summary
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
+from zbjax.schedules.dag import topological_order
 from zbjax.schedules.ir import Costs, Schedule, integer, real_number
 from zbjax.split import split
 from zbjax.stages import StageGraph, StageProgram
@@ -356,8 +357,8 @@ class Pipeline:
         each aux leaf averaged over the microbatches (and data-parallel shards) like the loss.
 
         With ``key``, ``loss_fn`` is called as ``loss_fn(params, microbatch, key_i)`` with
-        ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i`` (with data-parallel axes,
-        shard ``s`` of it gets ``jax.random.fold_in(key_i, s)``).
+        ``key_i = jax.random.fold_in(key, i)`` for microbatch ``i`` (with more than one
+        data-parallel shard, shard ``s`` of it gets ``jax.random.fold_in(key_i, s)``).
 
         With ``buffers`` (from ``init_buffers``, or returned by the previous step), the step
         keeps its residuals and W's stash in them and returns (loss, grads, buffers): pass
@@ -498,13 +499,23 @@ class Pipeline:
                 "the pipeline on the context's mesh"
             )
         devices = set(self.mesh.devices.flat)
+        order = tuple(self.mesh.devices.flat)
+
+        def reordered(x: Any) -> bool:
+            # The mesh's devices in another order (a mesh made from a permuted device list):
+            # jax.jit compares device orders too, and fails on our own internal arrays.
+            sharding = x.sharding
+            return (
+                isinstance(sharding, jax.sharding.NamedSharding)
+                and tuple(sharding.mesh.devices.flat) != order
+            )
 
         def elsewhere(x: Any) -> bool:
             return (
                 isinstance(x, jax.Array)
                 and not isinstance(x, jax.core.Tracer)
                 and x.committed
-                and x.sharding.device_set != devices
+                and (x.sharding.device_set != devices or reordered(x))
             )
 
         for what, tree in trees.items():
@@ -522,14 +533,23 @@ class Pipeline:
                     else:
                         fix = (
                             f"put the {what} on the mesh first: jax.device_put({what}, "
-                            "NamedSharding(mesh, PartitionSpec()))"
+                            "NamedSharding(pipe.mesh, PartitionSpec()))"
                             + (" or pipe.stage(params)" if what == "params" else "")
                         )
-                    raise PipelineError(
-                        f"{name} committed to device{'s' if len(ids) > 1 else ''} {ids}, not "
-                        f"to the pipeline mesh's {len(devices)} devices, so the jitted step "
-                        f"cannot take it; {fix}"
-                    )
+                    if x.sharding.device_set == devices:
+                        shown = [d.id for d in x.sharding.mesh.devices.flat]
+                        where = (
+                            f"committed to a mesh of devices {shown}, the pipeline mesh's "
+                            f"devices in another order ({[d.id for d in order]}), which the "
+                            "jitted step cannot take"
+                        )
+                    else:
+                        s = "s" if len(ids) > 1 else ""
+                        where = (
+                            f"committed to device{s} {ids}, not to the pipeline mesh's "
+                            f"{len(devices)} devices, so the jitted step cannot take it"
+                        )
+                    raise PipelineError(f"{name} {where}; {fix}")
 
     def _check_permutes(self, built: _Built, step: Any, *args: Any) -> None:
         """Raises PipelineError before a tensor-parallel step that would hang on XLA:CPU
@@ -611,6 +631,10 @@ class Pipeline:
         device = next(
             d for d in np.ravel(self.mesh.devices) if d.process_index == jax.process_index()
         )
+        # Arrays typed on a mesh of explicit axes are taken off it (their values, through the
+        # host): JAX neither slices rows sharded over such axes nor runs a one-device program
+        # on an array whose type still names the mesh.
+        batch, params, key = _off_explicit_mesh((batch, params, key))
         stacked = split_microbatches(batch, m)
         if key is not None:
             stacked = (stacked, microbatch_keys(key, m))
@@ -1312,6 +1336,22 @@ class Pipeline:
                 f"was partitioned into {graph.num_stages}; build the schedule with "
                 f"num_stages={graph.num_stages} or pass num_stages={schedule.num_stages}"
             )
+        if graph is not None:
+            # The schedule orders actions by its own edges: each of the model's must be among
+            # them (or follow from them), else an action could run before the one it reads.
+            reach = {s: {s} for s in range(schedule.num_stages)}
+            for s in reversed(topological_order(schedule.num_stages, schedule.edges)):
+                for t in schedule.successors(s):
+                    reach[s] |= reach[t]
+            unordered = [(a, b) for a, b in graph.edge_pairs if b not in reach[a]]
+            if unordered:
+                raise ScheduleError(
+                    f"schedule {schedule.name!r} has stage edges {list(schedule.edges)}, which "
+                    f"do not order the model's stage edges {unordered} (the model's stage "
+                    f"graph: {list(graph.edge_pairs)}), so a stage could run before the one it "
+                    f"reads; build the schedule with edges={list(graph.edge_pairs)} (e.g. "
+                    "pipe.graph.edge_pairs)"
+                )
 
     def _step_fn(self, low: Lowering, graph: StageGraph, with_key: bool):
         m = self.num_microbatches
@@ -1375,6 +1415,24 @@ def _replicated(tree: Any, mesh: Any) -> Any:
         return jax.reshard(x, sharding) if any(s is not None for s in spec) else x
 
     return jax.tree.map(replicate, tree)
+
+
+def _off_explicit_mesh(tree: Any) -> Any:
+    """Returns ``tree`` with each concrete array whose type names a mesh of explicit axes
+    replaced by its value as a NumPy array (a PRNG key array: rewrapped key data)."""
+
+    def off(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+            return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return np.asarray(x)
+
+    return jax.tree.map(off, tree)
 
 
 def _is_array(x: Any) -> bool:

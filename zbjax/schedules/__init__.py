@@ -1,4 +1,5 @@
-"""Pipeline schedules as plain data: build, validate, simulate and draw (imports no JAX)."""
+"""Pipeline schedules as plain data: build, validate, simulate and draw (these modules import
+no JAX; the ``zbjax`` package around them does)."""
 
 from zbjax.schedules.auto import zb_auto as zb_auto
 from zbjax.schedules.dag import dag_1f1b as dag_1f1b

@@ -42,7 +42,7 @@ from functools import cached_property
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules.dag import topological
-from zbjax.schedules.ir import Action, Costs, Schedule, chain_edges, count
+from zbjax.schedules.ir import Action, Costs, Schedule, chain_edges, count, edge_pairs
 
 _F, _B, _W = 0, 1, 2
 _KIND_NAMES = ("F", "B", "W")
@@ -409,7 +409,7 @@ def _stage_graph(
     num_stages: int, edges: Sequence[tuple[int, int]] | None
 ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """Returns (edges, predecessors, successors), checking the edges form a DAG."""
-    edges = chain_edges(num_stages) if edges is None else tuple((int(a), int(b)) for a, b in edges)
+    edges = chain_edges(num_stages) if edges is None else edge_pairs(edges)
     for a, b in edges:
         if not (0 <= a < num_stages and 0 <= b < num_stages) or a == b:
             raise ScheduleError(

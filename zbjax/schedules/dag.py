@@ -24,8 +24,10 @@ stage s; a device may hold several stages.
   two stages of one path). The result is the candidate with the least
   makespan among those at least as good as dag-1f1b in both makespan and longest device span,
   so dag-zb is never slower than dag-1f1b. The default memory limit is dag-1f1b's peak.
-  With m >= 2 x depth it is strictly faster whenever the DAG has an edge (checked on random
-  DAGs and costs in the tests; a DAG without edges has no bubble to fill).
+  With one stage per device and m >= 2 x depth it is strictly faster whenever the DAG has an
+  edge (checked on random DAGs and costs in the tests; a DAG without edges has no bubble to
+  fill). Where a device holds several stages, dag-1f1b may already keep it busy, and dag-zb
+  ties.
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ import math
 from collections.abc import Sequence
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, as_index, count
+from zbjax.schedules.ir import (
+    Action,
+    Costs,
+    Schedule,
+    SimResult,
+    count,
+    edge_pairs,
+    placement_tuple,
+)
 from zbjax.schedules.simulate import peak_memory, simulate
 from zbjax.schedules.validate import validate
 
@@ -53,7 +63,7 @@ def check_stage_dag(
     Raises ScheduleError when an edge names a missing stage, the edges have a cycle, the
     placement leaves a device without a stage, or num_microbatches is not a positive integer.
     """
-    placement = tuple(as_index(f"placement[{s}]", d) for s, d in enumerate(placement))
+    placement = placement_tuple(placement)
     if not placement:
         raise ScheduleError("placement is empty; give one device per stage, e.g. (0, 1, 2, 3)")
     count("num_microbatches", num_microbatches)
@@ -64,9 +74,7 @@ def check_stage_dag(
             f"placement {placement} must use every device 0..{max(placement)} and no negative "
             "device; renumber the devices so that each one holds at least one stage"
         )
-    edges = tuple(
-        (as_index("an edge's stage", a), as_index("an edge's stage", b)) for a, b in edges
-    )
+    edges = edge_pairs(edges)
     for a, b in edges:
         if not (0 <= a < num_stages and 0 <= b < num_stages) or a == b:
             raise ScheduleError(
@@ -300,6 +308,11 @@ def dag_1f1b(
 def _names(stage_names: Sequence[str] | None, num_stages: int) -> tuple[str, ...] | None:
     if stage_names is None:
         return None
+    if isinstance(stage_names, str | bytes):  # would be split into letters
+        raise ScheduleError(
+            f"stage_names = {stage_names!r} is one string; give one name per stage, e.g. "
+            "('vision', 'text', 'head')"
+        )
     names = tuple(str(n) for n in stage_names)
     if len(names) != num_stages:
         raise ScheduleError(

@@ -22,8 +22,8 @@ M_B units of one stage, ``w_mem`` = 0.5; m microbatches, p devices):
   its first stage, W when nothing is, keeping at most 2p stage units (= p units of a whole
   device's model, the paper's p M_B). For m >= p the makespan is the lower bound 6m+p-1
   (device p-1 cannot start before p-1 forwards), so the bubble is (p-1)/(6m+p-1); for
-  m >= 2p no device idles between its first and last action (checked for p <= 12,
-  m <= 5p). Peak 2p stage units.
+  m >= 2p and w_mem = 0.5 no device idles between its first and last action (checked for
+  p <= 12, m <= 5p; a larger w_mem leaves some gaps). Peak 2p stage units.
 
 The ZB schedules are built by a small list scheduler run at unit costs (the paper's
 handcrafted schedules assume equal costs); ``zb-auto`` adapts to real costs instead.
@@ -337,6 +337,13 @@ def zb_v(
     placement = v_placement(p)
     local = [[s for s in range(num_stages) if placement[s] == d] for d in range(p)]
     limit = 2.0 * p if mem_limit is None else min(2.0 * p, mem_limit)
+    if limit < 2.0 - 1e-9:
+        raise ScheduleError(
+            f"zb-v: mem_limit = {limit:g} is too small: zb-v counts memory in stage units "
+            f"(one stage's activation of a microbatch; its default 2p = {2 * p} units is the "
+            "paper's p M_B) and needs at least 2, the forwards of the last device's two "
+            "stages before its first backward; raise mem_limit to 2 or more"
+        )
     next_forward = [0] * num_stages
     next_backward = [0] * num_stages
 

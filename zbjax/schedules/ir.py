@@ -104,7 +104,7 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """Returns the action written as ``"{stage}{kind}{microbatch}"`` (e.g. ``"2BW0"``)."""
-        match = _ACTION_RE.match(text)
+        match = _ACTION_RE.match(text) if isinstance(text, str) else None
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}; write it as stage, kind, microbatch, "
@@ -112,6 +112,42 @@ class Action:
             )
         stage, kind, microbatch = match.groups()
         return cls(kind, int(stage), int(microbatch))
+
+
+def placement_tuple(placement: object, what: str = "placement") -> tuple[int, ...]:
+    """Returns ``placement`` (the device of each stage) as an int tuple; raises ScheduleError
+    for anything that is not a sequence of integers."""
+    if isinstance(placement, str | bytes) or not isinstance(placement, Iterable):
+        raise ScheduleError(
+            f"{what} = {placement!r} is not a sequence; give the device of each stage, e.g. "
+            "(0, 1, 2, 3)"
+        )
+    return tuple(as_index(f"{what}[{s}]", d) for s, d in enumerate(placement))
+
+
+def edge_pairs(edges: object) -> tuple[tuple[int, int], ...]:
+    """Returns ``edges`` as ``(src, dst)`` int pairs; raises ScheduleError naming what is not
+    a sequence of pairs of stage indices."""
+    if isinstance(edges, str | bytes) or not isinstance(edges, Iterable):
+        raise ScheduleError(
+            f"edges = {edges!r} is not a sequence of (src, dst) stage pairs; pass e.g. "
+            "[(0, 1), (0, 2), (1, 3), (2, 3)]"
+        )
+    pairs = []
+    for edge in edges:
+        pair = isinstance(edge, Sequence | np.ndarray) and not isinstance(edge, str | bytes)
+        if not pair or len(edge) != 2:
+            raise ScheduleError(
+                f"edge {edge!r} is not a (src, dst) pair of stage indices; pass edges as "
+                "e.g. [(0, 1), (1, 2)]"
+            )
+        pairs.append(
+            (
+                as_index(f"the source of edge {tuple(edge)!r}", edge[0]),
+                as_index(f"the target of edge {tuple(edge)!r}", edge[1]),
+            )
+        )
+    return tuple(pairs)
 
 
 def chain_edges(num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -144,26 +180,25 @@ class Schedule:
         # Counts and indices must be integers: int() would truncate 0.7 to device 0, silently.
         for label in ("num_stages", "num_microbatches"):
             object.__setattr__(self, label, count(f"Schedule {label}", getattr(self, label)))
-        object.__setattr__(
-            self,
-            "placement",
-            tuple(as_index(f"placement[{s}]", d) for s, d in enumerate(self.placement)),
-        )
-        object.__setattr__(self, "actions", tuple(tuple(device) for device in self.actions))
-        if self.edges is None:
-            object.__setattr__(self, "edges", chain_edges(self.num_stages))
-        else:
-            object.__setattr__(
-                self,
-                "edges",
-                tuple(
-                    (
-                        as_index(f"the source of edge {edge!r}", edge[0]),
-                        as_index(f"the target of edge {edge!r}", edge[1]),
-                    )
-                    for edge in self.edges
-                ),
-            )
+        object.__setattr__(self, "placement", placement_tuple(self.placement))
+        object.__setattr__(self, "actions", _action_rows(self.actions))
+        edges = chain_edges(self.num_stages) if self.edges is None else edge_pairs(self.edges)
+        object.__setattr__(self, "edges", edges)
+        if self.stage_names is not None:
+            names = self.stage_names
+            sequence = isinstance(names, Iterable) and not isinstance(names, str | bytes)
+            names = tuple(names) if sequence else ()
+            if (
+                not sequence
+                or not all(isinstance(n, str) for n in names)
+                or len(names) != self.num_stages
+            ):
+                raise ScheduleError(
+                    f"Schedule stage_names = {self.stage_names!r} is not a sequence of "
+                    f"{self.num_stages} strings (one per stage); pass e.g. "
+                    f"{tuple(f's{i}' for i in range(min(self.num_stages, 3)))!r}..."
+                )
+            object.__setattr__(self, "stage_names", names)
         for label, low, high in (("mem_limit", 0.0, math.inf), ("w_mem", 0.0, 1.0)):
             value = getattr(self, label)
             if value is None and label == "mem_limit":
@@ -223,6 +258,50 @@ class Schedule:
             mem_limit=self.mem_limit,
             w_mem=self.w_mem,
             stage_names=self.stage_names,
+        )
+
+
+def _action_rows(actions: object) -> tuple[tuple[Action, ...], ...]:
+    """Returns per-device action tuples; text such as ``"0F1"`` is parsed (``Action.parse``),
+    anything else that is not an Action raises ScheduleError."""
+    if isinstance(actions, str | bytes) or not isinstance(actions, Iterable):
+        raise ScheduleError(
+            f"Schedule actions = {actions!r} is not a sequence of per-device action lists; "
+            "pass e.g. ((Action('F', 0, 0), Action('BW', 0, 0)), ...) or "
+            "parse_actions(text)"
+        )
+    rows = []
+    for device, row in enumerate(actions):
+        if isinstance(row, str | bytes) or not isinstance(row, Iterable):
+            raise ScheduleError(
+                f"Schedule actions[{device}] = {row!r} is not a sequence of actions; give "
+                "each device's actions as a tuple of Action (or text such as '0F1')"
+            )
+        parsed = []
+        for a in row:
+            if isinstance(a, str):
+                a = Action.parse(a)
+            elif not isinstance(a, Action):
+                raise ScheduleError(
+                    f"Schedule actions[{device}] holds {a!r}, not an Action; write "
+                    "Action('F', stage, microbatch) or its text, e.g. '0F1'"
+                )
+            parsed.append(a)
+        rows.append(tuple(parsed))
+    return tuple(rows)
+
+
+def check_schedule(value: object, where: str) -> None:
+    """Raises ScheduleError when ``value`` (the schedule given to ``where``) is not a
+    Schedule: a name goes through ``build`` first."""
+    if not isinstance(value, Schedule):
+        hint = (
+            f"build it first: zbjax.schedules.build({value!r}, num_stages, num_microbatches)"
+            if isinstance(value, str)
+            else "pass a zbjax.schedules.Schedule (from zbjax.schedules.build)"
+        )
+        raise ScheduleError(
+            f"{where} takes a Schedule, not {type(value).__name__} {value!r}; {hint}"
         )
 
 
@@ -296,7 +375,7 @@ class Costs:
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "bw", "comm", "comm_message"):
             value = getattr(self, name)
-            if value is None:
+            if value is None and name == "bw":  # the fused backward: b + w by default
                 continue
             # NumPy scalars and 0-d arrays are numbers; sequences are per stage. A string
             # ("2") or a bool is neither, though float() would take it.
@@ -319,6 +398,15 @@ class Costs:
                     f"costs.{name} = {getattr(self, name)} is negative, infinite or NaN; it "
                     "must be finite and >= 0"
                 )
+
+    @staticmethod
+    def check(costs: object, what: str = "costs") -> None:
+        """Raises ScheduleError when ``costs`` is neither None nor a Costs."""
+        if costs is not None and not isinstance(costs, Costs):
+            raise ScheduleError(
+                f"{what} = {costs!r} is not a zbjax.schedules.Costs; pass "
+                "Costs(f=..., b=..., w=..., comm=...) or None"
+            )
 
     def exchange(self, messages: int) -> float:
         """Returns the time of an exchange whose largest payload carries ``messages``."""

@@ -12,8 +12,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from zbjax.schedules.ir import Action, Costs, Schedule, SimResult
-from zbjax.schedules.simulate import simulate
+from zbjax.errors import ScheduleError
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, check_schedule
+from zbjax.schedules.simulate import check_result, simulate
 
 #: Fill colour per action kind in ``gantt`` (colour-blind-friendly "deep" palette).
 KIND_COLORS: dict[str, str] = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
@@ -83,6 +84,8 @@ def _grid_rows(schedule: Schedule, result: SimResult, unit: float) -> list[list[
     for program in schedule.actions:
         row: list[str | None] = []
         for action in program:
+            if result.end[action] <= result.start[action]:
+                continue  # takes no time (a cost of 0): no column, which would shift the rest
             # Rounding can make two neighbours share a slot; push the later one right so every
             # action keeps at least one visible cell, in program order.
             first = max(_slot(result.start[action], unit), len(row))
@@ -97,15 +100,35 @@ def _grid_rows(schedule: Schedule, result: SimResult, unit: float) -> list[list[
     return rows
 
 
-def text_grid(schedule: Schedule, result: SimResult | None = None, width: int = 120) -> str:
+def output_path(path: str | Path, what: str, suffix: str, add_suffix: bool = False) -> Path:
+    """Returns where a file ``path`` given for ``what`` is written (``suffix`` added when
+    ``add_suffix`` and the name has none, as matplotlib does for a PNG); raises ScheduleError
+    for an empty path or a directory."""
+    if not isinstance(path, str | Path) or not str(path):
+        raise ScheduleError(f"{what} path {path!r} is not a file name; give e.g. 'out{suffix}'")
+    path = Path(path)
+    if path.is_dir():
+        raise ScheduleError(
+            f"{what} path {str(path)!r} is a directory; give a file name, e.g. "
+            f"{str(path / ('schedule' + suffix))!r}"
+        )
+    return path.with_name(path.name + suffix) if add_suffix and not path.suffix else path
+
+
+def text_grid(schedule: Schedule, result: SimResult | Costs | None = None, width: int = 120) -> str:
     """Returns a terminal picture of ``schedule``: one row per device, one column per time slot.
 
     Cells read ``F3``/``B3``/``W3``/``BW3`` (kind and microbatch), prefixed by the stage when a
     device holds several stages (``1F3``); ``.`` is idle and ``-`` continues an action longer
     than one slot. Times come from ``result`` (default: ``simulate(schedule)``). Lines longer
     than ``width`` characters wrap into blocks, each headed by the time its columns start at.
+    ``result`` may also be a ``Costs``: the schedule is simulated with them, as ``gantt`` does.
     """
-    result = result if result is not None else simulate(schedule)
+    if result is None or isinstance(result, Costs):
+        result = simulate(schedule, result)
+    check_result(schedule, result, "text_grid")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ScheduleError(f"text_grid width = {width!r}; give a positive int of characters")
     unit = _slot_unit(schedule, result)
     rows = _grid_rows(schedule, result, unit)
     num_slots = len(rows[0]) if rows else 0
@@ -151,6 +174,11 @@ def text_grid(schedule: Schedule, result: SimResult | None = None, width: int = 
         blocks.append("\n".join(lines))
     header = f"(one column = {_fmt_time(unit)} time units)" if unit != 1.0 else ""
     text = "\n\n".join(blocks)
+    instant = sorted(
+        {a.kind for _, _, a in schedule.all_actions() if result.end[a] <= result.start[a]}
+    )
+    if instant:
+        text += f"\n({', '.join(instant)} actions take no time and are not drawn)"
     return f"{header}\n{text}" if header else text
 
 
@@ -171,8 +199,13 @@ def gantt(
     One row per device, F/B/W/BW in distinct colours, microbatch numbers in the boxes that have
     room. When a device holds several stages, its later stages are drawn lighter and the box
     says the stage (``s5:3``); when the stage graph branches (a DAG) each stage also gets its own
-    hatch and its name (``Schedule.stage_names``) in the box and the legend.
+    hatch and its name (``Schedule.stage_names``) in the box and the legend. A ``path`` without
+    a suffix gets ".png" (``output_path``).
     """
+    check_schedule(schedule, "gantt")
+    Costs.check(costs, "gantt's costs")
+    if path is not None:
+        path = output_path(path, "gantt", ".png", add_suffix=True)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -283,6 +316,8 @@ def chrome_trace(schedule: Schedule, costs: Costs | None = None) -> dict[str, An
     like ``"F s2 mb3"``, with ``ts``/``dur`` in microseconds where one cost unit is 1000 us, and
     ``args`` holding kind, stage and microbatch. Metadata events name each thread ``device d``.
     """
+    check_schedule(schedule, "chrome_trace")
+    Costs.check(costs, "chrome_trace's costs")
     result = simulate(schedule, costs)
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": schedule.name}}
@@ -326,6 +361,6 @@ def chrome_trace(schedule: Schedule, costs: Costs | None = None) -> dict[str, An
 
 def write_trace(schedule: Schedule, path: str | Path, costs: Costs | None = None) -> Path:
     """Returns ``path`` after writing ``chrome_trace(schedule, costs)`` there as JSON."""
-    path = Path(path)
+    path = output_path(path, "write_trace", ".json")
     path.write_text(json.dumps(chrome_trace(schedule, costs)))
     return path

@@ -16,7 +16,7 @@ from typing import Any
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules import dag, generators
-from zbjax.schedules.ir import Costs, Schedule, count, real_number
+from zbjax.schedules.ir import Costs, Schedule, count, placement_tuple, real_number
 from zbjax.schedules.simulate import peak_memory
 from zbjax.schedules.validate import validate
 
@@ -104,7 +104,7 @@ def _dag(
             "stage, ...), and optionally stage_names; "
             + (f"missing {sorted(missing)}" if missing else f"unknown {sorted(unknown)}")
         )
-    placement = tuple(options["placement"])
+    placement = placement_tuple(options["placement"])
     if len(placement) != num_stages:
         raise ScheduleError(
             f"{name}: num_stages = {num_stages} but placement has {len(placement)} entries; "

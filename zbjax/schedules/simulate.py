@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Costs, Schedule, SimResult
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, check_schedule
 
 
 def backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
@@ -62,6 +64,7 @@ def memory_delta(action: Action, w_mem: float) -> float:
 
 def peak_memory(schedule: Schedule) -> tuple[float, ...]:
     """Returns each device's peak activation memory (M_B units) over its action order."""
+    check_schedule(schedule, "peak_memory")
     peaks = []
     for program in schedule.actions:
         level = peak = 0.0
@@ -79,6 +82,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     dependency has ended (plus ``costs.comm`` when the dependency ran on another device).
     Raises ``ScheduleError`` when the order deadlocks or a dependency is never scheduled.
     """
+    check_schedule(schedule, "simulate")
+    Costs.check(costs, "simulate's costs")
     costs = costs or Costs()
     f, b, w = costs.per_stage(schedule.num_stages)
     duration = {"F": f, "B": b, "W": w, "BW": costs.fused_per_stage(schedule.num_stages)}
@@ -129,6 +134,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                 "reorder the actions so every dependency can run first"
             )
     makespan = max(end.values(), default=0.0)
+    if not math.isfinite(makespan):
+        raise ScheduleError(
+            f"the simulated times overflow (makespan {makespan}): the costs are too large to "
+            "add up in floating point; scale them down (only their ratios matter)"
+        )
     busy = tuple(sum(end[a] - start[a] for a in program) for program in schedule.actions)
     total = schedule.num_devices * makespan
     bubble_rate = 1.0 - sum(busy) / total if total > 0 else 0.0
@@ -152,6 +162,7 @@ def span_bubble_rate(schedule: Schedule, result: SimResult) -> float:
     previous step's tail. This is the measure the paper reports (ZB-H2 and ZB-V reach 0):
     1 - (total compute of all devices) / (num_devices * longest span).
     """
+    check_result(schedule, result, "span_bubble_rate")
     spans = [
         max(result.end[a] for a in program) - min(result.start[a] for a in program)
         for program in schedule.actions
@@ -160,3 +171,21 @@ def span_bubble_rate(schedule: Schedule, result: SimResult) -> float:
     period = max(spans, default=0.0)
     total = schedule.num_devices * period
     return max(0.0, 1.0 - sum(result.busy) / total) if total > 0 else 0.0
+
+
+def check_result(schedule: Schedule, result: object, where: str) -> None:
+    """Raises ScheduleError unless ``result`` is ``simulate(schedule, ...)``'s: a SimResult
+    that times every action of ``schedule``."""
+    check_schedule(schedule, where)
+    if not isinstance(result, SimResult):
+        raise ScheduleError(
+            f"{where} takes the SimResult of simulate(schedule, costs), not "
+            f"{type(result).__name__} {result!r}"
+        )
+    missing = [a for _, _, a in schedule.all_actions() if a not in result.start]
+    if missing or len(result.peak_memory) != schedule.num_devices:
+        raise ScheduleError(
+            f"{where}: the SimResult is not this schedule's ({schedule.name!r} runs "
+            f"{', '.join(map(str, missing[:3])) or 'other devices'}, which it does not time); "
+            "pass simulate(schedule, costs) of the same schedule"
+        )

@@ -21,7 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Schedule
+from zbjax.schedules.ir import Action, Schedule, check_schedule
 from zbjax.schedules.simulate import backward_kinds, memory_delta, neighbours
 
 #: An action as a plain tuple (kind, stage, microbatch): hashing it is cheap.
@@ -227,6 +227,7 @@ def validate(schedule: Schedule) -> Schedule:
     the order runs without deadlock, in that order, and reports the first broken rule with the
     action that breaks it.
     """
+    check_schedule(schedule, "validate")
     _check_graph(schedule)
     _check_placement_and_devices(schedule)
     _check_completeness(schedule)
