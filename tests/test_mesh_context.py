@@ -14,6 +14,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -106,6 +107,8 @@ def test_inputs_committed_to_other_devices_are_named():
     )
     with pytest.raises(zbjax.PipelineError, match=r"batch leaf .* devices in another order"):
         pipe.value_and_grad(params, jax.device_put(batch, NamedSharding(permuted, P())))
+    with jax.set_mesh(permuted), pytest.raises(zbjax.PipelineError, match="another order"):
+        jax.jit(pipe.value_and_grad)(params, batch)
     staged = pipe.stage(on_one, batch)  # staging moves them onto the mesh
     assert_close(
         (lambda r: (r[0], pipe.unstage(r[1])))(pipe.value_and_grad(staged, batch)),
@@ -259,3 +262,25 @@ def test_strip_sharding_annotations_everywhere_keeps_custom_rules_and_values():
         mlp.make_batch(jax.random.key(1), mlp.MLPConfig(), 4),
     )
     assert strip_sharding_annotations(unannotated) == (unannotated, [])
+
+
+@pytest.mark.parametrize("types", [(EXPLICIT, AUTO), (AUTO, EXPLICIT)], ids=["pp-E", "dp-E"])
+def test_meshes_mixing_explicit_and_auto_axes(types):
+    """jax.reshard takes explicit axes only: placing the inputs named the Auto axis too and
+    failed in JAX (a mesh with only the pp axis Explicit, say)."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    mesh = jax.make_mesh((2, 2), ("pp", "dp"), axis_types=types, devices=jax.devices()[:4])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+    staged = pipe.stage(params)
+    tx = pipe.per_leaf(optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+    loss, grads = pipe.value_and_grad(staged, batch)
+    updates, _ = tx.update(grads, tx.init(staged), staged)
+    want = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    want_updates, _ = want.update(reference[1], want.init(params), params)
+    got = pipe.unstage(updates)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want_updates), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

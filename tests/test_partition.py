@@ -375,3 +375,29 @@ def test_a_named_marker_names_the_stage_it_starts():
     assert (
         stage_summary(graph).splitlines()[1].startswith("stage 1 (after layer 0) [loss]: 1 param")
     )
+
+
+def test_one_dominant_unit_does_not_pile_the_others_into_one_stage():
+    # The largest stage is the dominant unit's whatever the other cuts do; they once went
+    # where the fewest bytes cross (after the last unit), leaving stages empty.
+    from zbjax.partition import _choose_cuts
+
+    costs = [100.0] + [1.0] * 6
+    live = [0.0, 5.0, 5.0, 5.0, 5.0, 5.0, 1.0]  # crossing after unit 5 is cheapest
+    starts = _choose_cuts(costs, live, 4)
+    sizes = [b - a for a, b in zip(starts, [*starts[1:], len(costs)], strict=True)]
+    assert starts[:2] == [0, 1] and sizes[1:] == [2, 2, 2]
+
+
+def test_a_checkpoint_around_most_of_the_model_warns_that_one_stage_runs_it():
+    def model(p, x):
+        for w in p:
+            x = jnp.tanh(x @ w)
+        return x
+
+    def loss_fn(params, x):
+        return jnp.mean(jax.checkpoint(model)(params, x) ** 2)
+
+    params = [jnp.eye(8) * 0.5 for _ in range(4)]
+    with pytest.warns(UserWarning, match=r"keeps a jax.checkpoint .* whole.*markers inside it"):
+        zbjax.partition(loss_fn, params, jnp.ones((4, 8)), num_stages=3)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core as _core
+from jax._src import mesh as _mesh_lib
 from jax._src import source_info_util as _source_info
 from jax.extend.core import (
     ClosedJaxpr,
@@ -277,6 +278,17 @@ def under_trace() -> bool:
     """Returns whether JAX is tracing here (inside a jit, eval_shape, make_jaxpr, a control-flow
     body), even where every value at hand is concrete (closed over from outside the trace)."""
     return not _core.trace_ctx.is_top_level()
+
+
+def context_mesh_devices() -> tuple | None:
+    """Returns the devices of the ``jax.set_mesh`` context's mesh in its order, or None where
+    no concrete mesh is set. (JAX's internal getter: the public ``jax.sharding.get_mesh``
+    refuses to run inside a ``jit``, where the context's devices still decide.)"""
+    getter = getattr(_mesh_lib, "get_concrete_mesh", None)
+    mesh = getter() if getter is not None else None
+    if mesh is None or mesh.empty:
+        return None
+    return tuple(mesh.devices.flat)
 
 
 def user_line(eqn: Any) -> str:
@@ -972,10 +984,20 @@ def place_for_shard_map(mesh: Any, args: Any, specs: Any) -> Any:
     Under explicit sharding ``shard_map`` takes inputs only when they already carry its
     ``in_specs``; resharding one placed that way already is a no-op.
     """
-    if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False))
+    explicit = {a for a, t in types.items() if t == jax.sharding.AxisType.Explicit}
+    if not explicit:
         return args
 
+    def explicit_part(entry: Any) -> Any:
+        # jax.reshard takes explicit axes only: on a mesh that mixes types, an Auto axis of
+        # the spec is left to shard_map (which splits the input over it itself).
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n in explicit)
+        return None if not kept else kept if isinstance(entry, tuple) else kept[0]
+
     def place(spec: Any, sub: Any) -> Any:
+        spec = jax.sharding.PartitionSpec(*(explicit_part(e) for e in spec))
         return jax.tree.map(lambda x: jax.reshard(x, jax.sharding.NamedSharding(mesh, spec)), sub)
 
     return jax.tree.map(place, specs, args, is_leaf=_is_spec)

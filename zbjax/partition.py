@@ -854,6 +854,27 @@ _KEPT_WHOLE = {
 }
 
 
+def _warn_whole_regions(units: list, costs: list[float], eqns: Any, count: int) -> None:
+    """Warns when a region the cut keeps whole (a jax.checkpoint, a custom_vjp) holds more than
+    twice a stage's even share of the cost: the stage that gets it runs most of the model while
+    the others wait, however the rest is cut."""
+    share = sum(costs) / count
+    for unit, cost in zip(units, costs, strict=True):
+        name = eqns[unit.eqn].primitive.name
+        if name in _KEPT_WHOLE and cost > 2 * share:
+            line = user_line(eqns[unit.eqn])
+            warnings.warn(
+                f"the automatic cut keeps {_KEPT_WHOLE[name]}"
+                + (f" (at {line})" if line else "")
+                + f" whole, and it holds {cost / sum(costs):.0%} of the model's cost, so one "
+                f"of the {count} stages runs most of the model while the others wait; wrap "
+                "each layer rather than the whole model, or place zbjax.stage_boundary markers "
+                "inside it",
+                stacklevel=caller_stacklevel(),
+            )
+            return
+
+
 @dataclass(frozen=True)
 class _Unit:
     """One indivisible piece of activation work: an equation, or one iteration of a scan."""
@@ -912,6 +933,7 @@ def _auto_cut(
         starts = list(cut[1])
     else:
         starts = _choose_cuts(costs, live, count)
+        _warn_whole_regions(units, costs, eqns, count)
     cut = (len(units), tuple(int(s) for s in starts))
     unit_stage = np.zeros(len(units), dtype=int)
     for s, start in enumerate(starts):
@@ -1014,6 +1036,9 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
 
     The largest group cost is minimised (bisection on the bound, greedy packing); then each cut
     moves, within ``AUTO_SLACK`` of that bound, to the position with the fewest live bytes.
+    A group also stays within ``AUTO_SLACK`` of its even share of what is left (above its first
+    unit, where that alone is more): when one unit sets the bound (a large embedding, say),
+    the others are still spread over the other groups instead of piling into one.
     """
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
     n = len(costs)
@@ -1051,9 +1076,11 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
     for k in range(1, count):
         prev = starts[-1]
         best = None
+        share = (prefix[-1] - prefix[prev]) / (count - k + 1)
+        limit = min(bound, max(share, costs[prev]) + share * AUTO_SLACK)
         # Group k - 1 = [prev, p) must fit the bound and leave one unit per later group.
         for p in range(max(prev + 1, earliest[k]), n - (count - k) + 1):
-            if prefix[p] - prefix[prev] > bound:
+            if prefix[p] - prefix[prev] > limit and p > max(prev + 1, earliest[k]):
                 break
             score = (live[p], abs(prefix[p] - prefix[prev] - prefix[-1] / count))
             if best is None or score < best[0]:

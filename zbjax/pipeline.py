@@ -60,7 +60,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax import graphpipe, schedules
-from zbjax._jax_compat import no_mesh_context, under_trace
+from zbjax._jax_compat import context_mesh_devices, no_mesh_context, under_trace
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
@@ -500,6 +500,15 @@ class Pipeline:
             )
         devices = set(self.mesh.devices.flat)
         order = tuple(self.mesh.devices.flat)
+        in_context = context_mesh_devices()
+        if in_context is not None and in_context != order:
+            raise PipelineError(
+                f"the call runs inside jax.set_mesh of a mesh of devices "
+                f"{[d.id for d in in_context]}, but this pipeline's mesh holds devices "
+                f"{[d.id for d in order]} (the same axes; other devices or another order); "
+                "call it outside that context, set the pipeline's mesh "
+                "(jax.set_mesh(pipe.mesh)), or build the pipeline on the context's mesh"
+            )
 
         def reordered(x: Any) -> bool:
             # The mesh's devices in another order (a mesh made from a permuted device list):
