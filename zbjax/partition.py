@@ -1036,9 +1036,10 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
 
     The largest group cost is minimised (bisection on the bound, greedy packing); then each cut
     moves, within ``AUTO_SLACK`` of that bound, to the position with the fewest live bytes.
-    A group also stays within ``AUTO_SLACK`` of its even share of what is left (above its first
-    unit, where that alone is more): when one unit sets the bound (a large embedding, say),
-    the others are still spread over the other groups instead of piling into one.
+    A group is also no larger than the groups after it will be (an even split of the rest, or
+    its largest unit), beyond its own first unit and ``AUTO_SLACK``: when one unit sets the
+    bound (a large embedding, say), the others are still spread over the other groups
+    instead of piling into one.
     """
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
     n = len(costs)
@@ -1063,6 +1064,7 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
         else:
             lo = mid
     bound = hi * (1.0 + AUTO_SLACK)
+    largest_after = np.maximum.accumulate(np.asarray(costs, dtype=float)[::-1])[::-1]
     # earliest[k]: the first position group k may start at so that groups k .. count - 1 still
     # fit the bound (packed greedily from the end).
     earliest = [0] * (count + 1)
@@ -1076,13 +1078,19 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
     for k in range(1, count):
         prev = starts[-1]
         best = None
-        share = (prefix[-1] - prefix[prev]) / (count - k + 1)
-        limit = min(bound, max(share, costs[prev]) + share * AUTO_SLACK)
-        # Group k - 1 = [prev, p) must fit the bound and leave one unit per later group.
-        for p in range(max(prev + 1, earliest[k]), n - (count - k) + 1):
-            if prefix[p] - prefix[prev] > limit and p > max(prev + 1, earliest[k]):
+        share = (prefix[-1] - prefix[prev]) / (count - k + 1)  # an even split of what is left
+        first = max(prev + 1, earliest[k])
+        # Group k - 1 = [prev, p) must fit the bound and leave one unit per later group; and
+        # it is no larger than the later groups will be (estimated: an even split of the
+        # rest, or its largest unit), except by its own first unit or AUTO_SLACK of them.
+        for p in range(first, n - (count - k) + 1):
+            group = prefix[p] - prefix[prev]
+            if group > bound:
                 break
-            score = (live[p], abs(prefix[p] - prefix[prev] - prefix[-1] / count))
+            later = max(largest_after[p], (prefix[-1] - prefix[p]) / (count - k))
+            if p > first and group > max(costs[prev], later) + later * AUTO_SLACK:
+                continue
+            score = (live[p], abs(prefix[p] - prefix[prev] - share))
             if best is None or score < best[0]:
                 best = (score, p)
         starts.append(best[1] if best is not None else max(prev + 1, earliest[k]))

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -1109,10 +1110,7 @@ class Pipeline:
         if kind == "auto" and self.num_stages is not None:
             # A fixed count: markers must make exactly that many stages, else a chain cut
             # (another batch shape keeping the first's, as below).
-            cut = None if self._last is None else self._last.graph.cut
-            graph = self._cut(
-                params_avals, micro, num_stages=self.num_stages, key=key_aval, cut=cut
-            )
+            graph = self._kept_cut(params_avals, micro, self.num_stages, key_aval)
             return kind, _Partitioned(graph)
         if kind in ("auto", "markers", "chain"):
             # One trace tells whether there are markers (num_stages=None never cuts by cost).
@@ -1153,11 +1151,33 @@ class Pipeline:
             )
         if num_stages == 1:
             return kind, _Partitioned(marked)
-        # Another batch shape keeps the stages the first cut made (the costs, which scale
-        # with the shapes, may balance elsewhere), and so the staged params layout.
+        return kind, _Partitioned(self._kept_cut(params_avals, micro, num_stages, key_aval))
+
+    def _kept_cut(
+        self, params_avals: Any, micro: Any, num_stages: int, key_aval: Any
+    ) -> StageGraph:
+        """Returns the cost-balanced cut, or, once a pipeline is built, the cut that keeps its
+        stages' params: another batch shape keeps the first cut (the costs, which scale with
+        the shapes, may balance elsewhere), and so does a trace whose equations differ (a
+        weakly typed param turned strong adds a cast): where the same cut positions would
+        put params elsewhere, nearby positions are tried."""
         cut = None if self._last is None else self._last.graph.cut
         graph = self._cut(params_avals, micro, num_stages=num_stages, key=key_aval, cut=cut)
-        return kind, _Partitioned(graph)
+        if self._last is None or _stage_params(graph) == _stage_params(self._last.graph):
+            return graph
+        units, starts = graph.cut
+        # An equation added or missing before a cut moves every later cut by the same count:
+        # shift the cuts from each one on by up to 3 units, the smallest shifts first.
+        for d, first in itertools.product((1, -1, 2, -2, 3, -3), range(1, len(starts))):
+            moved = (*starts[:first], *(a + d for a in starts[first:]))
+            if any(b <= a for a, b in itertools.pairwise(moved)) or moved[-1] >= units:
+                continue
+            candidate = self._cut(
+                params_avals, micro, num_stages=num_stages, key=key_aval, cut=(units, moved)
+            )
+            if _stage_params(candidate) == _stage_params(self._last.graph):
+                return candidate
+        return graph
 
     def _cut(self, params_avals: Any, micro: Any, **kwargs: Any) -> StageGraph:
         return partition(
@@ -1424,6 +1444,11 @@ def _replicated(tree: Any, mesh: Any) -> Any:
         return jax.reshard(x, sharding) if any(s is not None for s in spec) else x
 
     return jax.tree.map(replicate, tree)
+
+
+def _stage_params(graph: StageGraph) -> tuple:
+    """Returns which param leaves (and rows of them) each stage holds: the staged layout."""
+    return tuple((s.param_leaves, s.param_rows) for s in graph.stages)
 
 
 def _off_explicit_mesh(tree: Any) -> Any:
