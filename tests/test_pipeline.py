@@ -1148,3 +1148,60 @@ def test_eager_per_leaf_checks_every_calls_arrays_and_staged_weak_params_keep_th
     staged = pipe.stage(weak, batch)
     loss, _ = pipe.value_and_grad(staged, batch)  # was refused: "the layout would change"
     np.testing.assert_allclose(loss, scaled(weak, batch), rtol=2e-2)
+
+
+def test_values_made_from_params_alone_are_recomputed_where_they_are_read():
+    """A tied embedding cast once at the top of loss_fn (the mixed-precision idiom) was cast
+    in the first stage and the cast table sent to the last one every microbatch; a scan
+    stack cast before the scan made stage 0 hold every layer. Each stage now casts what it
+    reads: the tied leaf is held by both stages (as tied leaves are), the stack by rows."""
+
+    def loss_fn(p, b):
+        emb = p["emb"] * 2.0  # computed from the param alone
+        h = jnp.tanh(emb[b["ids"]] @ p["w"])
+        h = zbjax.stage_boundary(h)
+
+        def layer(h, w):
+            return jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(layer, h, p["stack"].astype(jnp.float32))
+        return jnp.mean((h @ emb.T - b["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {
+        "emb": jnp.asarray(rng.normal(size=(16, 8)) * 0.3, jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(8, 8)) * 0.3, jnp.float32),
+        "stack": jnp.asarray(rng.normal(size=(4, 8, 8)) * 0.3, jnp.bfloat16),
+    }
+    batch = {"ids": jnp.asarray(rng.integers(0, 16, size=(8,))), "y": jnp.zeros((8, 16))}
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    loss, grads = pipe.value_and_grad(params, batch)
+    want = reference_value_and_grad(loss_fn, params, batch, 2)
+    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=2e-2, atol=1e-3)
+    emb, stack = 0, 1  # leaf order: emb, stack, w
+    assert all(emb in s.param_leaves for s in pipe.graph.stages)
+    assert all(v.shape != (16, 8) for e in pipe.graph.edges for v in e.values)
+    for leaf in (emb, stack):
+        assert any(leaf in s.param_leaves for s in pipe.graph.stages)
+
+    # Cut by cost, the cast stack is split by rows: no stage holds all four layers.
+    def scan_loss(p, b):
+        def layer(h, w):
+            return jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(layer, b["x"], p["stack"].astype(jnp.float32))
+        return jnp.mean(h**2)
+
+    stacked = {"stack": params["stack"]}
+    xs = {"x": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)}
+    pipe = zbjax.pipeline(scan_loss, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    loss, grads = pipe.value_and_grad(stacked, xs)
+    (first,), (second,) = (s.param_rows for s in pipe.graph.stages)
+    assert first[0] == 0 and first[1] == second[0] and second[1] == 4
+    want = reference_value_and_grad(scan_loss, stacked, xs, 2)
+    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    np.testing.assert_allclose(
+        np.float32(grads["stack"]), np.float32(want[1]["stack"]), rtol=2e-2, atol=1e-3
+    )

@@ -61,6 +61,7 @@ from zbjax._jax_compat import (
     REMAT_PRIMITIVES,
     bind_equation,
     equation_source,
+    new_var,
     no_mesh_context,
     ordered_effect_names,
     scan_counts,
@@ -703,11 +704,10 @@ def _build_graph(
     for i, eqn in enumerate(eqns):
         for v in eqn.outvars:
             home[v] = (eqn_stages[i], len(home))
-    stage_eqns: list[list[Any]] = [[] for _ in range(count)]
-    reads: list[list[Any]] = [[] for _ in range(count)]
-    for i, eqn in enumerate(eqns):
-        stage_eqns[eqn_stages[i]].append(eqn)
-        reads[eqn_stages[i]].extend(eqn.invars)
+    members = _recompute_param_values(program, eqn_stages, count)
+    stage_eqns: list[list[Any]] = [[eqns[i] for i in sorted(m)] for m in members]
+    reads: list[list[Any]] = [[a for e in stage_eqns[s] for a in e.invars] for s in range(count)]
+    computed = [{v for e in stage_eqns[s] for v in e.outvars} for s in range(count)]
     loss, aux = jaxpr.outvars[0], list(jaxpr.outvars[1:])
     reads[count - 1].extend([loss, *aux])
     params_read: list[list[int]] = []
@@ -719,7 +719,7 @@ def _build_graph(
         batch_read.append(sorted(batch_index[v] for v in vars_read if v in batch_index))
         for v in sorted((v for v in vars_read if v in home), key=lambda v: home[v][1]):
             src = home[v][0]
-            if src != stage:
+            if src != stage and v not in computed[stage]:
                 received.setdefault((src, stage), []).append(v)
     pairs = sorted(received)
     edges = tuple(
@@ -735,14 +735,11 @@ def _build_graph(
         if s == count - 1:
             outputs = [loss, *aux]
         param_vars = [jaxpr.invars[i] for i in params_read[s]]
-        rows, sliced = _row_sliced_params(stage_eqns[s], param_vars, outputs)
-        param_inputs = [
-            eqn.outvars[0] if eqn else v for v, eqn in zip(param_vars, sliced, strict=True)
-        ]
+        rows, param_inputs, dropped, added = _row_sliced_params(stage_eqns[s], param_vars, outputs)
         invars = (
             param_inputs + [jaxpr.invars[program.num_params + i] for i in batch_read[s]] + inputs
         )
-        body = [eqn for eqn in stage_eqns[s] if not any(eqn is e for e in sliced)]
+        body = added + [eqn for eqn in stage_eqns[s] if not any(eqn is e for e in dropped)]
         closed = _stage_jaxpr(body, invars, outputs, const_value)
         # A typed PRNG key crossing stages travels as its key data (messages hold numbers).
         received_at = range(len(invars) - len(inputs), len(invars))
@@ -779,30 +776,96 @@ def _build_graph(
     )
 
 
+def _recompute_param_values(
+    program: _Program, eqn_stages: Sequence[int], count: int
+) -> list[set[int]]:
+    """Returns per stage the indices of the equations it runs: its own (``eqn_stages``), plus
+    those that compute from params alone (a cast, a transpose, a scaled copy; no batch value,
+    no activation, no effect) whose values it reads, recomputed there rather than sent from
+    the stage they were assigned to every microbatch (their params are then held by each such
+    stage, as a tied leaf is); such an equation is dropped from a stage that no longer reads
+    its values."""
+    jaxpr = program.jaxpr
+    eqns = jaxpr.eqns
+    params = set(jaxpr.invars[: program.num_params])
+    consts = set(jaxpr.constvars)
+    made_by: dict[Var, int] = {}  # a value computed from params alone -> its equation
+    for i, eqn in enumerate(eqns):
+        if eqn.effects or is_stage_boundary(eqn):
+            continue
+        atoms = [a for a in eqn.invars if isinstance(a, Var)]
+        if all(a in params or a in consts or a in made_by for a in atoms) and any(
+            a in params or a in made_by for a in atoms
+        ):
+            made_by.update((v, i) for v in eqn.outvars)
+    members = [{i for i, s in enumerate(eqn_stages) if s == t} for t in range(count)]
+    if not made_by:
+        return members
+    recomputed = set(made_by.values())
+    for t in range(count):
+        # What the stage reads: its other equations' inputs, and (last stage) loss and aux.
+        wanted = [a for i in members[t] if i not in recomputed for a in eqns[i].invars]
+        if t == count - 1:
+            wanted.extend(jaxpr.outvars)
+        kept: set[int] = set()
+        while wanted:
+            a = wanted.pop()
+            if isinstance(a, Var) and a in made_by and made_by[a] not in kept:
+                kept.add(made_by[a])
+                wanted.extend(eqns[made_by[a]].invars)
+        members[t] = {i for i in members[t] if i not in recomputed} | kept
+    return members
+
+
 def _row_sliced_params(
     eqns: Sequence[Any], param_vars: Sequence[Var], outputs: Sequence[Any]
-) -> tuple[tuple[tuple[int, int] | None, ...], list[Any]]:
-    """Returns, per param of a stage, the rows it reads and the ``slice`` equation reading them.
+) -> tuple[tuple[tuple[int, int] | None, ...], list[Var], list[Any], list[Any]]:
+    """Returns, per param of a stage, the rows it reads (None: all of it), and the stage's
+    input per param, the equations that no longer run and those that run first instead.
 
     A param whose only use in ``eqns`` is one static slice of contiguous rows of its leading
     axis (all of every other axis) -- what a scan split by iteration does to its stacked layer
-    params -- is read as those rows only: (rows, the slice equation); any other param gives
-    (None, None). The stage then takes the slice's result as its input, so its device holds and
-    differentiates only those rows.
+    params -- is read as those rows only: the stage takes the slice's result as its input, so
+    its device holds and differentiates only those rows. So is a param whose only use is a
+    cast (``astype``, the mixed-precision idiom) whose only use is such a slice: the stage
+    takes the rows and casts them.
     """
-    uses: dict[Var, list[Any]] = {v: [] for v in param_vars}
+    uses: dict[Var, list[Any]] = {}
     for eqn in eqns:
         for atom in eqn.invars:
-            if isinstance(atom, Var) and atom in uses:
-                uses[atom].append(eqn)
+            if isinstance(atom, Var):
+                uses.setdefault(atom, []).append(eqn)
+    returned = {out for out in outputs if isinstance(out, Var)}
+
+    def only_use(v: Var) -> Any:
+        found = uses.get(v, [])
+        return found[0] if len(found) == 1 and v not in returned else None
+
     rows: list[tuple[int, int] | None] = []
-    sliced: list[Any] = []
+    inputs: list[Var] = []
+    dropped: list[Any] = []
+    added: list[Any] = []
     for v in param_vars:
-        returned = any(v is out for out in outputs)
-        eqn = uses[v][0] if len(uses[v]) == 1 and not returned else None
-        rows.append(_leading_rows(eqn, v) if eqn is not None else None)
-        sliced.append(eqn if rows[-1] is not None else None)
-    return tuple(rows), sliced
+        eqn = only_use(v)
+        span = _leading_rows(eqn, v) if eqn is not None else None
+        if span is not None:
+            rows.append(span)
+            inputs.append(eqn.outvars[0])
+            dropped.append(eqn)
+            continue
+        cast = eqn if eqn is not None and eqn.primitive.name == "convert_element_type" else None
+        sliced = only_use(cast.outvars[0]) if cast is not None else None
+        span = _leading_rows(sliced, cast.outvars[0]) if sliced is not None else None
+        if span is None:
+            rows.append(None)
+            inputs.append(v)
+            continue
+        part = new_var(v.aval.update(shape=(span[1] - span[0], *v.aval.shape[1:])))
+        rows.append(span)
+        inputs.append(part)
+        dropped.extend((cast, sliced))
+        added.append(cast.replace(invars=[part], outvars=[sliced.outvars[0]]))
+    return tuple(rows), inputs, dropped, added
 
 
 def _leading_rows(eqn: Any, v: Var) -> tuple[int, int] | None:
