@@ -114,10 +114,16 @@ class Action:
         return cls(kind, int(stage), int(microbatch))
 
 
+def is_sequence(value: object) -> bool:
+    """Returns whether ``value`` is a sequence of items: iterable, and not text (a string
+    would be split into letters)."""
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes)
+
+
 def placement_tuple(placement: object, what: str = "placement") -> tuple[int, ...]:
     """Returns ``placement`` (the device of each stage) as an int tuple; raises ScheduleError
     for anything that is not a sequence of integers."""
-    if isinstance(placement, str | bytes) or not isinstance(placement, Iterable):
+    if not is_sequence(placement):
         raise ScheduleError(
             f"{what} = {placement!r} is not a sequence; give the device of each stage, e.g. "
             "(0, 1, 2, 3)"
@@ -128,14 +134,14 @@ def placement_tuple(placement: object, what: str = "placement") -> tuple[int, ..
 def edge_pairs(edges: object) -> tuple[tuple[int, int], ...]:
     """Returns ``edges`` as ``(src, dst)`` int pairs; raises ScheduleError naming what is not
     a sequence of pairs of stage indices."""
-    if isinstance(edges, str | bytes) or not isinstance(edges, Iterable):
+    if not is_sequence(edges):
         raise ScheduleError(
             f"edges = {edges!r} is not a sequence of (src, dst) stage pairs; pass e.g. "
             "[(0, 1), (0, 2), (1, 3), (2, 3)]"
         )
     pairs = []
     for edge in edges:
-        pair = isinstance(edge, Sequence | np.ndarray) and not isinstance(edge, str | bytes)
+        pair = isinstance(edge, Sequence | np.ndarray) and is_sequence(edge)
         if not pair or len(edge) != 2:
             raise ScheduleError(
                 f"edge {edge!r} is not a (src, dst) pair of stage indices; pass edges as "
@@ -186,7 +192,7 @@ class Schedule:
         object.__setattr__(self, "edges", edges)
         if self.stage_names is not None:
             names = self.stage_names
-            sequence = isinstance(names, Iterable) and not isinstance(names, str | bytes)
+            sequence = is_sequence(names)
             names = tuple(names) if sequence else ()
             if (
                 not sequence
@@ -264,7 +270,7 @@ class Schedule:
 def _action_rows(actions: object) -> tuple[tuple[Action, ...], ...]:
     """Returns per-device action tuples; text such as ``"0F1"`` is parsed (``Action.parse``),
     anything else that is not an Action raises ScheduleError."""
-    if isinstance(actions, str | bytes) or not isinstance(actions, Iterable):
+    if not is_sequence(actions):
         raise ScheduleError(
             f"Schedule actions = {actions!r} is not a sequence of per-device action lists; "
             "pass e.g. ((Action('F', 0, 0), Action('BW', 0, 0)), ...) or "
@@ -272,7 +278,7 @@ def _action_rows(actions: object) -> tuple[tuple[Action, ...], ...]:
         )
     rows = []
     for device, row in enumerate(actions):
-        if isinstance(row, str | bytes) or not isinstance(row, Iterable):
+        if not is_sequence(row):
             raise ScheduleError(
                 f"Schedule actions[{device}] = {row!r} is not a sequence of actions; give "
                 "each device's actions as a tuple of Action (or text such as '0F1')"
