@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax.errors import PipelineError
+from zbjax.params import wide_dtype
 from zbjax.schedules.ir import count
 
 
@@ -160,6 +161,5 @@ def reference_value_and_grad(
 def _wide(x: Any) -> Any:
     """``x`` in float32 if it is a 16-bit float array, else unchanged."""
     dtype = jnp.result_type(x)
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
-        return jnp.asarray(x, jnp.float32)
-    return x
+    wide = wide_dtype(dtype)
+    return jnp.asarray(x, wide) if wide != dtype else x

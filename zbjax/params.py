@@ -555,8 +555,9 @@ def reduce_wide(collective: Callable[..., Any], x: jax.Array, axes: Any) -> jax.
     """Returns ``collective(x, axes)`` (``jax.lax.psum`` or ``pmean``), a 16-bit float reduced
     in float32: XLA:CPU aborted the process compiling a bfloat16 all-reduce in a step whose
     tensor axis XLA partitions (its all-reduce promotion pass), and a float32 sum loses less."""
-    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
-        return collective(x.astype(jnp.float32), axes).astype(x.dtype)
+    wide = wide_dtype(x.dtype)
+    if wide != x.dtype:
+        return collective(x.astype(wide), axes).astype(x.dtype)
     return collective(x, axes)
 
 

@@ -1156,7 +1156,7 @@ def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]
             score = (live[p], abs(prefix[p] - prefix[prev] - share))
             if best is None or score < best[0]:
                 best = (score, p)
-        starts.append(best[1] if best is not None else max(prev + 1, earliest[k]))
+        starts.append(best[1] if best is not None else first)
     return starts
 
 
