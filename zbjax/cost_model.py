@@ -78,7 +78,10 @@ def equation_matmul_flops(eqn: Any) -> int:
 def equation_cost(eqn: Any) -> float:
     """Returns one equation's estimated cost: matmul FLOPs, else BYTES_WEIGHT * bytes moved.
 
-    Bytes moved are the bytes of the equation's inputs plus its outputs. Equations holding
+    Bytes moved are the bytes of the equation's inputs plus its outputs. For a ``gather`` (an
+    embedding lookup) that is its whole operand although it reads only the rows it selects:
+    the charge is kept, as its weight gradient zeroes and scatters into a table of that size,
+    and the partitioner balances forward costs as stand-ins for F + B + W. Equations holding
     sub-jaxprs (control flow, calls) cost what their sub-jaxprs cost, combined as described in
     the module docstring.
     """

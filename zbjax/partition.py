@@ -24,7 +24,10 @@ Stage assignment:
   concatenated). Each such stage reads the whole stacked param leaf and slices its range.
 - **Free equations** (those that are not activations: position embeddings, masks, one-hot
   targets, dropout bits drawn from a key) go to the earliest stage that reads them, so they are
-  never computed twice; the stages after it receive them on an edge. Free inputs of a marker
+  never computed twice; the stages after it receive them on an edge. Equations on params alone
+  (a cast of the param tree, a tied embedding scaled once) are the exception: they run again in
+  every stage that reads their values (``_recompute_param_values``), which then holds those
+  params, rather than sending a param-sized value every microbatch. Free inputs of a marker
   are read at the stage of the marker's other inputs (stage 0 when it has none). With
   ``has_aux``, an equation that feeds only aux outputs and reads no param runs at the stage of
   its latest input instead, so a metric of an early activation travels, not the activation.
