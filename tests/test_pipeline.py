@@ -873,6 +873,14 @@ def test_staged_params_of_another_pipelines_layout_are_refused():
     assert [r.shape for r in staged.rows] == [r.shape for r in theirs.rows]
     with pytest.raises(zbjax.PipelineError, match="another pipeline's layout"):
         other.value_and_grad(staged, batch)
+    # Under jax.jit too, also once the step is traced for the pipeline's own rows: the
+    # layouts differ in the tree structure, so the other rows are traced again (and refused)
+    # rather than run through the cached trace as other layers.
+    step = jax.jit(other.value_and_grad)
+    step(theirs, batch)
+    with pytest.raises(zbjax.PipelineError, match="another pipeline's layout"):
+        step(staged, batch)
+    assert jax.tree.structure(staged) != jax.tree.structure(theirs)
     tx = other.per_leaf(optax.sgd(0.1))
     with pytest.raises(zbjax.PipelineError, match="another pipeline's layout"):
         tx.init(staged)

@@ -248,21 +248,28 @@ def staged_layout(
 
 
 class _RowsMeta:
-    """The pytree metadata of packed rows: equal (and hashed) by the dtypes alone, so that rows
-    with and without a known layout (restored by hand: ``StagedParams(rows, dtypes)``) have one
-    tree structure, while a tree rebuilt from a structure keeps the layout it carried."""
+    """The pytree metadata of packed rows. Rows with and without a known layout (restored by
+    hand: ``StagedParams(rows, dtypes)``) have one tree structure, and a tree rebuilt from a
+    structure keeps the layout it carried; rows of two different known layouts do not, so that
+    a jitted step traced for one pipeline's rows is traced again (and refused) for another's
+    rather than reused. Hashed by the dtypes alone, which equal metadata share."""
 
     def __init__(self, dtypes: tuple[str, ...], layout: str | None):
         self.dtypes, self.layout = dtypes, layout
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _RowsMeta) and self.dtypes == other.dtypes
+        return (
+            isinstance(other, _RowsMeta)
+            and self.dtypes == other.dtypes
+            and (self.layout is None or other.layout is None or self.layout == other.layout)
+        )
 
     def __hash__(self) -> int:
         return hash(self.dtypes)
 
     def __repr__(self) -> str:
-        return repr(self.dtypes)
+        where = "" if self.layout is None else f", layout {self.layout}"
+        return f"{self.dtypes!r}{where}"
 
 
 class PackedRows:
