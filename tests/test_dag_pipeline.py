@@ -18,6 +18,8 @@ microbatch.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -321,6 +323,93 @@ def test_bad_partitioner_options_raise_errors_that_name_the_fix(diamond):
     too_wide = zbjax.pipeline(_diamond_loss, mesh=_mesh(8), schedule="dag-1f1b", num_microbatches=2)
     with pytest.raises(ScheduleError, match="4 stages, fewer than the 8 devices"):
         too_wide.lower(params, batch)
+
+
+def _scan_stack(params, batch):
+    """Eight tanh layers in one lax.scan, then a head: no branches to run side by side."""
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"], params["stack"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+def _scan_stack_case():
+    rng = np.random.default_rng(3)
+    params = {
+        "stack": jnp.asarray(rng.normal(size=(8, WIDTH, WIDTH)) * 0.3, jnp.float32),
+        "head": jnp.asarray(rng.normal(size=(WIDTH, 1)) * 0.3, jnp.float32),
+    }
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(BATCH_SIZE, WIDTH)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(BATCH_SIZE, 1)), jnp.float32),
+    }
+    return params, batch
+
+
+def test_dag_schedule_of_a_scanned_model_takes_the_chain_cut_that_splits_the_scan():
+    """GraphPipe keeps a scan whole: on the scanned stack it found too few stages for 4 devices
+    (refused) or one stage holding most of the model. The default partitioner takes the chain
+    cut, which splits the scan's iterations, when GraphPipe's plan is that uneven and the
+    chain's step is predicted shorter; partitioner='graph' names that fix."""
+    params, batch = _scan_stack_case()
+    pipe = zbjax.pipeline(_scan_stack, mesh=_mesh(4), schedule="dag-1f1b", num_microbatches=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the trial cut's warnings are not given
+        loss, grads = pipe.value_and_grad(params, batch)
+    assert pipe.partitioner_used == "chain"
+    assert [len(s.param_leaves) for s in pipe.graph.stages] == [1, 1, 1, 2]
+    costs = [s.cost for s in pipe.graph.stages]
+    assert max(costs) < 0.4 * sum(costs)
+    expected = jax.value_and_grad(_scan_stack)(params, batch)
+    np.testing.assert_allclose(loss, expected[0], rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected[1]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    for devices in (4, 8):
+        graph = zbjax.pipeline(
+            _scan_stack,
+            mesh=_mesh(devices),
+            schedule="dag-1f1b",
+            num_microbatches=4,
+            partitioner="graph",
+        )
+        # One stage runs the whole scan: warned, naming the fix; on 8 devices GraphPipe's
+        # pieces are too few, which is refused, naming it too.
+        with pytest.warns(UserWarning, match="GraphPipe keeps a lax.scan .* 94% .*'chain'"):
+            if devices == 4:
+                graph.lower(params, batch)
+            else:
+                with pytest.raises(ScheduleError, match="partitioner='chain' \\(which splits"):
+                    graph.lower(params, batch)
+
+
+def test_graph_partition_warns_of_a_checkpoint_region_holding_most_of_the_model():
+    """Two towers inside one jax.checkpoint: GraphPipe (and the chain cut) keep the region
+    whole; as for the chain cut, a warning names it, once."""
+
+    def towers(params, batch):
+        def both(h):
+            a = jnp.tanh(jnp.tanh(h @ params["a1"]) @ params["a2"])
+            b = jnp.tanh(jnp.tanh(h @ params["b1"]) @ params["b2"])
+            return a + b
+
+        h = jax.checkpoint(both)(batch["x"])
+        return jnp.mean((jnp.tanh(h @ params["c"]) @ params["d"] - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(4)
+    params = {
+        k: jnp.asarray(rng.normal(size=(WIDTH, 1 if k == "d" else WIDTH)) * 0.3, jnp.float32)
+        for k in ("a1", "a2", "b1", "b2", "c", "d")
+    }
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(BATCH_SIZE, WIDTH)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(BATCH_SIZE, 1)), jnp.float32),
+    }
+    pipe = zbjax.pipeline(towers, mesh=_mesh(4), schedule="dag-1f1b", num_microbatches=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.lower(params, batch)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 1, texts
+    assert "keeps a jax.checkpoint (nn.remat) region" in texts[0]
+    assert "test_dag_pipeline.py" in texts[0]
 
 
 # ----------------------------------------------------------------------------- partition(assign=)

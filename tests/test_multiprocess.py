@@ -62,8 +62,24 @@ def worker_results(tmp_path_factory) -> list[dict]:
 def test_every_process_ran_every_case(worker_results):
     cases = [[r["case"] for r in w["results"]] for w in worker_results]
     assert cases[0] == cases[1]
-    # 2 meshes x 3 schedules x (2 inputs, plus a process-local batch on the data-across mesh)
-    assert len(cases[0]) == 15
+    # 2 meshes x 3 schedules x (2 inputs, plus a process-local batch on the data-across mesh),
+    # then 2 schedules planned with each process's own costs
+    assert len(cases[0]) == 17
+
+
+def test_processes_planning_with_their_own_costs_run_process_0s_plan(worker_results):
+    planned = [[r for r in w["results"] if "own costs" in r["case"]] for w in worker_results]
+    assert len(planned[0]) == 2
+    for first, second in zip(*planned, strict=True):
+        assert first["schedule"] == second["schedule"], first["case"]
+
+
+def test_processes_that_build_different_pipelines_are_each_told(worker_results):
+    for worker in worker_results:
+        assert (
+            "the processes built different pipelines (process 1 not as process 0"
+            in (worker["mismatch"])
+        )
 
 
 def test_losses_and_grads_equal_value_and_grad_on_every_process(worker_results):

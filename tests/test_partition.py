@@ -304,6 +304,42 @@ def test_a_marker_whose_output_is_unused_makes_no_cut_and_says_so():
         partition(lambda w, x: jnp.mean(zbjax.stage_boundary(jnp.tanh(x @ w)) @ w), w, x)
 
 
+def test_markers_that_make_a_stage_without_work_say_so():
+    """A second tower's work reads only the batch and params, so it runs in stage 0 however
+    late it is written: a marker on the first tower's output then starts a stage that only
+    passes it on, and a marker on a batch input starts one before any work. Both warn, naming
+    the marker; well-placed markers on the same towers do not."""
+    w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
+
+    def outputs_marked(w, x):
+        h = zbjax.stage_boundary(jnp.tanh(x @ w))
+        g = zbjax.stage_boundary(jnp.tanh(jnp.sin(x) @ w))
+        return jnp.mean(jnp.tanh((h + g) @ w))
+
+    def input_marked(w, x):
+        h = jnp.tanh(zbjax.stage_boundary(x) @ w)
+        return jnp.mean(jnp.tanh(zbjax.stage_boundary(h) @ w))
+
+    def well_marked(w, x):
+        g = zbjax.stage_boundary(jnp.tanh(jnp.sin(x) @ w))
+        h = jnp.tanh(x @ w) + g
+        return jnp.mean(jnp.tanh(zbjax.stage_boundary(h) @ w))
+
+    for loss_fn, stage, line, where in (
+        (outputs_marked, 1, 1, "from the marker at"),
+        (input_marked, 0, 1, "before the first marker, at"),
+    ):
+        at = re.escape(f"{__file__}:{loss_fn.__code__.co_firstlineno + line}")
+        with pytest.warns(
+            UserWarning, match=f"without work of its own: stage {stage} \\({where} {at}"
+        ):
+            graph = partition(loss_fn, w, x)
+        np.testing.assert_allclose(run_stages(graph, w, x), loss_fn(w, x), rtol=RTOL, atol=ATOL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert partition(well_marked, w, x).num_stages == 3
+
+
 def test_an_auto_cut_of_a_model_inside_one_checkpoint_names_the_checkpoint():
     def loss_fn(w, x):
         return jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w))

@@ -149,6 +149,15 @@ def test_chrome_trace_has_one_complete_event_per_action_with_its_times():
         if e["ph"] == "M" and e["name"] == "thread_name"
     }
     assert threads == {0: "device 0", 1: "device 1"}
+    # Costs in seconds (as pipe.measure_costs gives them) drawn at their real length.
+    seconds = Costs(f=2e-3, b=2e-3, w=1e-3, comm=5e-4)
+    timed = chrome_trace(schedule, seconds, unit_us=1e6)
+    event = next(e for e in timed["traceEvents"] if e["name"] == "F s1 mb1" and e["tid"] == 1)
+    assert event["ts"] == pytest.approx(result.start[action] * 1000)
+    assert event["dur"] == pytest.approx(2000)
+    for bad in (0, -1.0, float("inf"), "ms", None):
+        with pytest.raises(ScheduleError, match="unit_us=.*1e6 for costs in seconds"):
+            chrome_trace(schedule, costs, unit_us=bad)
 
 
 def test_write_trace_writes_json_that_loads_back(tmp_path):

@@ -280,6 +280,27 @@ def under_trace() -> bool:
     return not _core.trace_ctx.is_top_level()
 
 
+_EXCHANGES = itertools.count()
+
+
+def exchange_between_processes(data: bytes, timeout_s: float = 300.0) -> list[bytes] | None:
+    """Returns every process's ``data`` (process i's at index i) through jax.distributed's
+    key-value store: host messages, no device collective, so it also works while a jit traces.
+    Every process must call it the same number of times, in the same order. None when
+    jax.distributed was not initialized (the processes cannot be reached this way)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return None
+    n = next(_EXCHANGES)
+    client.key_value_set_bytes(f"zbjax/exchange/{n}/{jax.process_index()}", data)
+    return [
+        bytes(client.blocking_key_value_get_bytes(f"zbjax/exchange/{n}/{i}", int(timeout_s * 1000)))
+        for i in range(jax.process_count())
+    ]
+
+
 def context_mesh_devices() -> tuple | None:
     """Returns the devices of the ``jax.set_mesh`` context's mesh in its order, or None where
     no concrete mesh is set. (JAX's internal getter: the public ``jax.sharding.get_mesh``

@@ -188,6 +188,8 @@ def _partition(
         else:
             explicit, cut = {}, None
     eqn_stages = _assign_stages(program, explicit, count)
+    if markers:
+        _warn_idle_stages(program.jaxpr.eqns, markers, eqn_stages, count)
     names = [f"stage {s}" for s in range(count)]
     for i, s in explicit.items():
         label = program.jaxpr.eqns[i].params.get("name") if markers else None
@@ -197,6 +199,32 @@ def _partition(
         program, eqn_stages, names, params_treedef, batch_treedef, param_avals, batch_avals
     )
     return graph if markers or cut is None else dataclasses.replace(graph, cut=cut)
+
+
+def _warn_idle_stages(
+    eqns: Sequence[Any], markers: Sequence[int], eqn_stages: Sequence[int], count: int
+) -> None:
+    """Warns when markers make a stage with no work of its own (no equation but its marker):
+    its device only passes values on. Names the markers that start such stages."""
+    working = {s for eqn, s in zip(eqns, eqn_stages, strict=True) if not is_stage_boundary(eqn)}
+    idle = [s for s in range(count) if s not in working]
+    if not idle:
+        return
+    where = [
+        f"stage {s} ({'before the first marker, at' if s == 0 else 'from the marker at'} "
+        f"{user_line(eqns[markers[max(s - 1, 0)]]) or 'an unknown line'})"
+        for s in idle
+    ]
+    warnings.warn(
+        f"the zbjax.stage_boundary markers make {'stages' if len(idle) > 1 else 'a stage'} "
+        f"without work of {'their' if len(idle) > 1 else 'its'} own: {'; '.join(where)}; "
+        "such a stage does no work (at most it passes values on) while its device idles. An "
+        "equation runs in the latest stage of its inputs, so work that reads only the batch "
+        "and params (a second tower) stays in stage 0 however late it is written, and a "
+        "marker on a batch input starts a stage before any work; mark the activation each "
+        "stage's work starts from, or remove the marker",
+        stacklevel=caller_stacklevel(),
+    )
 
 
 def stage_summary(graph: StageGraph) -> str:
@@ -920,25 +948,36 @@ _KEPT_WHOLE = {
 }
 
 
-def _warn_whole_regions(units: list, costs: list[float], eqns: Any, count: int) -> None:
-    """Warns when a region the cut keeps whole (a jax.checkpoint, a custom_vjp) holds more than
-    twice a stage's even share of the cost: the stage that gets it runs most of the model while
-    the others wait, however the rest is cut."""
-    share = sum(costs) / count
-    for unit, cost in zip(units, costs, strict=True):
-        name = eqns[unit.eqn].primitive.name
-        if name in _KEPT_WHOLE and cost > 2 * share:
-            line = user_line(eqns[unit.eqn])
-            warnings.warn(
-                f"the automatic cut keeps {_KEPT_WHOLE[name]}"
-                + (f" (at {line})" if line else "")
-                + f" whole, and it holds {cost / sum(costs):.0%} of the model's cost, so one "
-                f"of the {count} stages runs most of the model while the others wait; wrap "
-                "each layer rather than the whole model, or place zbjax.stage_boundary markers "
-                "inside it",
-                stacklevel=caller_stacklevel(),
-            )
-            return
+def warn_whole_regions(
+    pieces: Sequence[tuple[Any, float]], count: int, graph: bool = False
+) -> None:
+    """Warns when a region a cut keeps whole (a jax.checkpoint, a custom_vjp; with ``graph``,
+    GraphPipe's partition, also a scan) holds more than twice a stage's even share of the cost:
+    the stage that gets it runs most of the model while the others wait, however the rest is
+    cut. ``pieces`` are the (equation, cost) the cut chose between."""
+    total = sum(cost for _, cost in pieces)
+    for eqn, cost in pieces:
+        name = eqn.primitive.name
+        what = _KEPT_WHOLE.get(name) or (
+            "a lax.scan (nn.scan)" if graph and name == "scan" else None
+        )
+        if what is None or cost <= 2 * total / count:
+            continue
+        line = user_line(eqn)
+        fix = (
+            "use partitioner='chain', which splits a scan's iterations between stages"
+            if name == "scan"
+            else "wrap each layer rather than the whole model, or place "
+            "zbjax.stage_boundary markers inside it"
+        )
+        warnings.warn(
+            f"{'GraphPipe' if graph else 'the automatic cut'} keeps {what}"
+            + (f" (at {line})" if line else "")
+            + f" whole, and it holds {cost / total:.0%} of the model's cost, so one "
+            f"of the {count} stages runs most of the model while the others wait; {fix}",
+            stacklevel=caller_stacklevel(),
+        )
+        return
 
 
 @dataclass(frozen=True)
@@ -999,7 +1038,7 @@ def _auto_cut(
         starts = list(cut[1])
     else:
         starts = _choose_cuts(costs, live, count)
-        _warn_whole_regions(units, costs, eqns, count)
+        warn_whole_regions([(eqns[u.eqn], c) for u, c in zip(units, costs, strict=True)], count)
     cut = (len(units), tuple(int(s) for s in starts))
     unit_stage = np.zeros(len(units), dtype=int)
     for s, start in enumerate(starts):

@@ -17,7 +17,8 @@ Choices a careful user would want to know:
   program becomes an operator graph, ``graphpipe.graph_partition`` cuts it into a DAG of at
   most one stage per pp device, independent branches in parallel stages, and its placement is
   used), or ``"auto"`` (default): markers when there are any, else ``"graph"`` for the DAG
-  schedules ``dag-1f1b``/``dag-zb`` given by name, else ``"chain"``.
+  schedules ``dag-1f1b``/``dag-zb`` given by name (``"chain"`` where that splits a scan GraphPipe
+  keeps whole into a faster plan), else ``"chain"``.
 - The DAG schedules (``dag-1f1b``, ``dag-zb``) by name are built on the stage graph's edges,
   with its stage names and, unless ``costs`` is given, the stage programs' cost estimates.
   Stage ``s`` runs on device ``placement[s]``: the ``placement`` argument when given, else
@@ -45,9 +46,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import os
+import pickle
 import statistics
 import tempfile
 import time
@@ -60,9 +63,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax import graphpipe, schedules
-from zbjax._jax_compat import context_mesh_devices, no_mesh_context, under_trace
-from zbjax.errors import PipelineError, ScheduleError
+from zbjax import cost_model, graphpipe, schedules
+from zbjax._jax_compat import (
+    context_mesh_devices,
+    exchange_between_processes,
+    no_mesh_context,
+    under_trace,
+)
+from zbjax.errors import PartitionError, PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.microbatch import microbatch_keys, split_microbatches
 from zbjax.optim import per_leaf
@@ -73,7 +81,13 @@ from zbjax.params import (
     stage_leaves,
     unstage_leaves,
 )
-from zbjax.partition import caller_stacklevel, leaf_aval, partition, stage_summary
+from zbjax.partition import (
+    caller_stacklevel,
+    leaf_aval,
+    partition,
+    stage_summary,
+    warn_whole_regions,
+)
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.dag import topological_order
 from zbjax.schedules.ir import Costs, Schedule, integer, real_number
@@ -1086,13 +1100,22 @@ class Pipeline:
                 lambda leaf: paths[leaf],
             )
         programs = split(graph)
+        several = len({d.process_index for d in self.mesh.devices.flat}) > 1
+        if several and self.costs is not None:
+            # Measured costs are each process's own timings; planned with, they would make
+            # each process a different program (a collective mismatch): process 0's plan all.
+            self.costs = _from_first_process(self.costs)
         schedule = self._schedule(graph, programs, parted.placement, kind)
+        if several:  # zb-auto and dag-zb search under a wall-clock limit
+            schedule = _from_first_process(schedule)
         costs = (self.costs or program_costs(programs)) if self.pack_ticks else None
         # The keys are the last batch leaf: (microbatches, keys) flattened.
         key_leaf = len(graph.batch_avals) - 1 if key_aval is not None else None
         lowering = lower(
             graph, programs, schedule, self.mesh, self.axis_name, costs, tensor, key_leaf
         )
+        if several:
+            _check_same_program(graph, lowering.schedule, micro)
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
         step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
 
@@ -1131,6 +1154,8 @@ class Pipeline:
             if kind == "auto":
                 if has_markers:
                     kind = "markers"
+                elif self._last is not None and self._last.partitioner in ("graph", "chain"):
+                    kind = self._last.partitioner  # another batch shape keeps the first's
                 elif self.schedule_name in schedules.DAG_SCHEDULE_NAMES and not isinstance(
                     self.schedule_spec, Schedule
                 ):
@@ -1142,8 +1167,20 @@ class Pipeline:
                 # partition() raises the error that names both counts.
                 self._cut(params_avals, micro, num_stages=self.num_stages, key=key_aval)
             return kind, _Partitioned(marked)
-        if kind == "graph":
+        if kind == "graph" and (self.partitioner != "auto" or self._last is not None):
             return kind, self._graph_partition(params_avals, micro, key_aval)
+        if kind == "graph":
+            # GraphPipe keeps a scan over layers whole; the chain cut splits it. Each is traced
+            # with its warnings held, and those of the one chosen are given.
+            with warnings.catch_warnings(record=True) as graph_warnings:
+                warnings.simplefilter("always")
+                parted = self._graph_partition(params_avals, micro, key_aval)
+            with warnings.catch_warnings(record=True) as chain_warnings:
+                warnings.simplefilter("always")
+                chain = self._chain_if_faster(parted, params_avals, micro, key_aval)
+            for w in graph_warnings if chain is None else chain_warnings:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return ("graph", parted) if chain is None else ("chain", _Partitioned(chain))
         num_stages = self.num_stages
         if num_stages is None:
             num_stages = self.num_devices * (
@@ -1152,6 +1189,27 @@ class Pipeline:
         if num_stages == 1:
             return kind, _Partitioned(marked)
         return kind, _Partitioned(self._kept_cut(params_avals, micro, num_stages, key_aval))
+
+    def _chain_if_faster(
+        self, parted: _Partitioned, params_avals: Any, micro: Any, key_aval: Any
+    ) -> StageGraph | None:
+        """Returns the chain cut over the pp devices when GraphPipe's partition leaves a device
+        without a stage or one stage above 1.5 times an even share of the cost (it keeps a scan
+        over layers whole, where the chain cut splits its iterations) and the chain's step is
+        predicted at least 10 % shorter; else None."""
+        devices = self.num_devices
+        costs = [stage.cost for stage in parted.graph.stages]
+        placed = parted.placement is not None and len(set(parted.placement)) == devices
+        if placed and max(costs) <= 1.5 * sum(costs) / devices:
+            return None
+        try:
+            chain = self._kept_cut(params_avals, micro, devices, key_aval)
+        except PartitionError:  # fewer pieces of work than devices
+            return None
+        m = self.num_microbatches
+        if placed and _predicted_step(chain, m) >= 0.9 * _predicted_step(parted.graph, m):
+            return None
+        return chain
 
     def _kept_cut(
         self, params_avals: Any, micro: Any, num_stages: int, key_aval: Any
@@ -1193,7 +1251,10 @@ class Pipeline:
         """Returns GraphPipe's stage DAG of the traced program over the pp devices."""
         chosen: list[graphpipe.GraphPartition] = []
 
+        programs: list[Any] = []
+
         def assign(program: Any, num_params: int) -> tuple[int, ...]:
+            programs.append(program)
             op_graph = graphpipe.op_graph_from_jaxpr(program, num_params)
             parted = graphpipe.graph_partition(
                 op_graph.graph, self.num_devices, self.num_microbatches
@@ -1202,6 +1263,10 @@ class Pipeline:
             return op_graph.equation_stages(parted)
 
         graph = self._cut(params_avals, micro, key=key_aval, assign=assign)
+        eqns = programs[-1].jaxpr.eqns
+        warn_whole_regions(
+            [(eqn, cost_model.equation_cost(eqn)) for eqn in eqns], self.num_devices, graph=True
+        )
         parted = chosen[-1]
         graph = dataclasses.replace(
             graph,
@@ -1252,8 +1317,10 @@ class Pipeline:
                 + (
                     f"pass {count} device indices covering 0..{devices - 1}"
                     if self.placement is not None
-                    else f"the model has too little parallel work for {devices} devices: use a "
-                    "smaller pp axis, more microbatches, or markers with a placement"
+                    else f"GraphPipe found too little work to spread over {devices} devices "
+                    "(it keeps a lax.scan / nn.scan over layers and a jax.checkpoint region "
+                    "whole): use partitioner='chain' (which splits a scan's iterations "
+                    "between stages), a smaller pp axis, or markers with a placement"
                 )
             )
         return tuple(placement)
@@ -1490,6 +1557,16 @@ def _arena_text(low: Lowering) -> str:
     )
 
 
+def _predicted_step(graph: StageGraph, num_microbatches: int) -> float:
+    """Returns GraphPipe's step model on a stage graph's forward costs, each stage on its own
+    device: one microbatch's longest path through the stages plus m - 1 times the largest."""
+    times = [stage.cost for stage in graph.stages]
+    path = [0.0] * len(times)
+    for s in reversed(range(len(times))):  # stages are numbered in topological order
+        path[s] = times[s] + max((path[b] for a, b in graph.edge_pairs if a == s), default=0.0)
+    return graphpipe.step_estimate(max(times), max(path), num_microbatches)
+
+
 def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) -> list[str]:
     """Returns report lines on the stage graph's edges, branches and placement (DAGs only)."""
     pairs = graph.edge_pairs
@@ -1511,6 +1588,28 @@ def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) ->
         "  placement (stage -> device): "
         + ", ".join(f"{s}->{d}" for s, d in enumerate(schedule.placement)),
     ]
+
+
+def _from_first_process(value: Any) -> Any:
+    """Returns process 0's ``value`` (a picklable plan: costs, a schedule) in every process."""
+    every = exchange_between_processes(pickle.dumps(value))
+    return value if every is None else pickle.loads(every[0])
+
+
+def _check_same_program(graph: StageGraph, schedule: Schedule, micro: Any) -> None:
+    """Raises PipelineError in every process when the processes built different pipelines
+    (another model, schedule, microbatch count or batch shape): their step programs would
+    not match, and the first exchange would fail inside the collectives or hang."""
+    text = repr((stage_summary(graph), schedule, jax.tree.leaves(micro)))
+    every = exchange_between_processes(hashlib.sha256(text.encode()).digest())
+    differ = [i for i, digest in enumerate(every or ()) if digest != every[0]]
+    if differ:
+        raise PipelineError(
+            f"the processes built different pipelines (process{'es' if len(differ) > 1 else ''} "
+            f"{', '.join(map(str, differ))} not as process 0: another model, schedule, stage "
+            "count, microbatch count or batch shape); every process must call zbjax.pipeline "
+            "with the same arguments and pass params and batches of the same shapes"
+        )
 
 
 def program_costs(programs: tuple[StageProgram, ...]) -> Costs:
@@ -1564,8 +1663,10 @@ def pipeline(
     ``partitioner`` cuts the program into stages:
 
     - ``"auto"`` (default): at the ``stage_boundary`` markers when ``loss_fn`` has any; else
-      ``"graph"`` for ``dag-1f1b``/``dag-zb`` by name (unless ``num_stages`` is given), else
-      ``"chain"``;
+      ``"graph"`` for ``dag-1f1b``/``dag-zb`` by name (unless ``num_stages`` is given), except
+      where GraphPipe, which keeps a scan over layers whole, leaves a device without a stage
+      or one stage above 1.5 times an even share and the chain cut's step is predicted 10 %
+      shorter (then ``"chain"``: ``pipe.partitioner_used`` says which); else ``"chain"``;
     - ``"markers"``: at the markers (an error when there are none);
     - ``"chain"``: ``num_stages`` contiguous stages balanced by the cost model (default: one per
       device, two for zb-v and interleaved-1f1b); an error when ``loss_fn`` has markers;

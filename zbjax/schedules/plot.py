@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from zbjax.errors import ScheduleError
-from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, check_schedule
+from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, check_schedule, real_number
 from zbjax.schedules.simulate import check_result, simulate
 
 #: Fill colour per action kind in ``gantt`` (colour-blind-friendly "deep" palette).
@@ -309,15 +309,25 @@ def gantt(
     return fig
 
 
-def chrome_trace(schedule: Schedule, costs: Costs | None = None) -> dict[str, Any]:
+def chrome_trace(
+    schedule: Schedule, costs: Costs | None = None, unit_us: float = TRACE_US_PER_UNIT
+) -> dict[str, Any]:
     """Returns a Chrome/Perfetto trace (``{"traceEvents": [...]}``) of the simulated schedule.
 
     One complete event (``ph: "X"``) per action on thread ``tid = device`` of process 0, named
-    like ``"F s2 mb3"``, with ``ts``/``dur`` in microseconds where one cost unit is 1000 us, and
-    ``args`` holding kind, stage and microbatch. Metadata events name each thread ``device d``.
+    like ``"F s2 mb3"``, with ``ts``/``dur`` in microseconds where one cost unit is ``unit_us``
+    microseconds (default 1000; pass ``unit_us=1e6`` for costs in seconds, as
+    ``pipe.measure_costs`` returns them), and ``args`` holding kind, stage and microbatch.
+    Metadata events name each thread ``device d``.
     """
     check_schedule(schedule, "chrome_trace")
     Costs.check(costs, "chrome_trace's costs")
+    scale = real_number(unit_us)
+    if scale is None or not 0 < scale < math.inf:
+        raise ScheduleError(
+            f"chrome_trace's unit_us={unit_us!r}: pass the microseconds one cost unit stands "
+            "for, a positive finite number (1e6 for costs in seconds)"
+        )
     result = simulate(schedule, costs)
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": schedule.name}}
@@ -335,8 +345,8 @@ def chrome_trace(schedule: Schedule, costs: Costs | None = None) -> dict[str, An
                 "ph": "X",
                 "pid": 0,
                 "tid": device,
-                "ts": start * TRACE_US_PER_UNIT,
-                "dur": (result.end[action] - start) * TRACE_US_PER_UNIT,
+                "ts": start * scale,
+                "dur": (result.end[action] - start) * scale,
                 "args": {
                     "kind": action.kind,
                     "stage": action.stage,
@@ -359,8 +369,13 @@ def chrome_trace(schedule: Schedule, costs: Costs | None = None) -> dict[str, An
     }
 
 
-def write_trace(schedule: Schedule, path: str | Path, costs: Costs | None = None) -> Path:
-    """Returns ``path`` after writing ``chrome_trace(schedule, costs)`` there as JSON."""
+def write_trace(
+    schedule: Schedule,
+    path: str | Path,
+    costs: Costs | None = None,
+    unit_us: float = TRACE_US_PER_UNIT,
+) -> Path:
+    """Returns ``path`` after writing ``chrome_trace(schedule, costs, unit_us)`` there as JSON."""
     path = output_path(path, "write_trace", ".json")
-    path.write_text(json.dumps(chrome_trace(schedule, costs)))
+    path.write_text(json.dumps(chrome_trace(schedule, costs, unit_us)))
     return path
