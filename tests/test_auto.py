@@ -232,3 +232,20 @@ def test_zb_auto_rejects_bad_requests_with_a_message_naming_the_value(kwargs, me
     request = {"num_stages": 4, "num_microbatches": 8} | kwargs
     with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         zb_auto(**request)
+
+
+def test_default_search_is_a_count_so_a_slow_or_loaded_machine_gets_the_same_schedule(
+    monkeypatch,
+):
+    """Without time_limit the search spends a budget of evaluations, not seconds: processes
+    of one multi-host job, or a rerun on a busier machine, plan the same schedule. A clock
+    that races ahead (every reading a minute later) changes nothing; with time_limit it does
+    bounds the search, and a racing clock leaves it no better."""
+    request = dict(costs=GPT_1P5B, mem_limit=8)
+    expected = zb_auto(8, 16, **request)
+    assert zb_auto(8, 16, **request) == expected
+    clock = itertools.count(step=60.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    assert zb_auto(8, 16, **request) == expected
+    hurried = zb_auto(8, 16, **request, time_limit=1.0)
+    assert simulate(hurried, GPT_1P5B).makespan >= simulate(expected, GPT_1P5B).makespan

@@ -175,6 +175,20 @@ def test_cli_demo_passes_flags_prints_report_progress_and_exits_1_on_fail(
     assert "FAIL: the training diverged (a non-finite loss); so did the unpipelined" in out
 
 
+def test_final_check_judges_the_params_after_the_last_update():
+    """The last loss is computed before the last update, so the params after it are judged
+    too: against the largest change training made (FINAL_PARAM_RTOL of it)."""
+    initial = {"w": np.array([1.0, 2.0])}
+    reference = {"w": np.array([0.9, 2.1])}  # training moved each param by 0.1
+    close = {"w": np.array([0.9 + 1e-3, 2.1])}
+    far = {"w": np.array([0.9 + 5e-3, 2.1])}
+    good = demo.compare_final([3.0], close, [3.0], reference, initial)
+    bad = demo.compare_final([3.0], far, [3.0], reference, initial)
+    assert good.passed and good.reference_param_change == pytest.approx(0.1)
+    assert not bad.passed and bad.loss_rel_diff == 0
+    assert bad.param_max_abs_diff == pytest.approx(5e-3)
+
+
 def test_first_step_check_fails_on_a_wrong_gradient():
     ref = {"a": np.array([1.0, -2.0]), "b": np.array([0.5])}
     wrong = {"a": np.array([1.0, -2.0]), "b": np.array([0.6])}
@@ -229,6 +243,8 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
         (["--seed", str(2**63)], "below 2**63"),
         (["--lr", "inf"], "lr=inf; the learning rate must be finite"),
         (["--tp", "3"], "tp=3 must divide heads=4"),
+        # An unknown schedule is named as such, not as too few layers for its stages.
+        (["--schedule", "zb-h3", "--layers", "3"], "schedule='zb-h3' is not a schedule"),
     ]:
         assert main(["demo", "--devices", "2", *argv]) == 2
         assert needle in capsys.readouterr().err

@@ -23,11 +23,17 @@ What a device's ``tx`` sees, and so what matches the user-layout optimizer exact
 - a leaf a stage of the device reads whole is that leaf; a leaf stored on several devices (a
   tied embedding) is seen whole by each, gets the same summed gradient, and so the same update;
 - a leaf of which the device holds some rows (the layers of a stacked ``nn.scan`` parameter its
-  stages run) is seen as those rows, in order: element-wise transformations and masks match
-  exactly; a transformation that reduces over a whole leaf (``lamb``'s trust ratio,
-  ``adafactor``'s factored moments) reduces over the device's rows of it instead;
-- nothing crosses devices, so a transformation over the whole tree (``clip_by_global_norm``)
-  must stay outside: ``optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(tx))``.
+  stages run) is seen as those rows, in order: element-wise transformations and masks given
+  as trees or computed from a leaf's path, ``ndim`` or trailing dimensions match exactly (a
+  mask function reading the leading dimension or size sees the rows); a transformation that
+  reduces over a whole leaf (``lamb``'s trust ratio, ``adafactor``'s factored moments)
+  reduces over the device's rows of it instead;
+- nothing crosses devices, so a transformation that decides on the whole tree
+  (``clip_by_global_norm``; ``apply_if_finite``, which inside would skip a step on one device
+  only) must stay outside: ``optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(tx))``;
+- updates of 16-bit float leaves are returned in float32 rows (their recorded dtypes stay
+  the params'), so ``optax.apply_updates`` rounds ``param + update`` once, as on the user's
+  tree, rather than rounding the update first.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from zbjax.params import (
     dtype_name,
     per_device,
     read_slots,
+    wide_dtype,
 )
 from zbjax.tensor import from_blocks, to_blocks, value_splits
 
@@ -172,7 +179,9 @@ def pack_views(
     layout: StagedLayout, views: Sequence[LeafView], values: Sequence[jax.Array]
 ) -> list[jax.Array]:
     """Returns one device's rows (one vector per dtype) holding ``values`` as ``views`` say,
-    every copy of a leaf its rows of the value; padding and others' slots hold zeros."""
+    every copy of a leaf its rows of the value; padding and others' slots hold zeros. Rows of
+    a 16-bit float dtype are packed in float32 (``params.wide_dtype``): they hold updates,
+    which optax adds to the params before rounding once."""
     pieces: list[list] = [[] for _ in layout.dtypes]
     for view, value in zip(views, values, strict=True):
         for slot, first in view.writes:
@@ -182,7 +191,7 @@ def pack_views(
                 (slot.offset, part, layout.split_of(slot))
             )
     return [
-        _pack(p, size, dt, _tensor(layout))
+        _pack(p, size, wide_dtype(dt), _tensor(layout))
         for p, size, dt in zip(pieces, layout.row_size, layout.dtypes, strict=True)
     ]
 

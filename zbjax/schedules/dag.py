@@ -370,7 +370,7 @@ def _auto_orders(
     costs: Costs,
     mem_limit: float,
     w_mem: float,
-    time_limit: float,
+    time_limit: float | None,
 ) -> list[list[Action]] | None:
     """Returns zb-auto's orders mapped onto ``placement`` (one stage per device), or None."""
     from zbjax.schedules.auto import zb_auto  # imported here: auto is a larger module
@@ -401,15 +401,16 @@ def dag_zb(
     w_mem: float = 0.5,
     costs: Costs | None = None,
     stage_names: Sequence[str] | None = None,
-    search_time: float = 0.5,
+    search_time: float | None = None,
 ) -> Schedule:
     """Returns a zero-bubble schedule on a stage DAG: B and W split, W filling the gaps.
 
     ``costs`` (default F = B = W = 1, no comm) are what the candidates are simulated with;
     ``mem_limit`` (M_B per device) defaults to dag-1f1b's peak, so memory is not worse.
     The result is never slower than dag-1f1b (makespan and longest device span) for
-    ``costs``. ``search_time`` bounds zb-auto's search (used when each device holds one
-    stage; 0 skips it).
+    ``costs``. zb-auto's search (used when each device holds one stage) spends its
+    evaluation budget, the same for the same request; ``search_time`` bounds it in seconds
+    instead (0 skips it).
     """
     edges, placement = check_stage_dag(edges, placement, num_microbatches)
     num_stages, m = len(placement), num_microbatches
@@ -466,7 +467,7 @@ def dag_zb(
                 )
                 if orders is not None:
                     candidates.append(orders)
-    if search_time > 0 and max(placement) + 1 == num_stages:
+    if (search_time is None or search_time > 0) and max(placement) + 1 == num_stages:
         orders = _auto_orders(edges, placement, m, costs, limit, w_mem, search_time)
         if orders is not None:
             candidates.append(orders)

@@ -167,7 +167,8 @@ def build(
     fixed schedules are the papers' handcrafted orders for equal costs.
 
     ``options``: zb-auto takes ``edges`` (a stage DAG's ``(src, dst)`` pairs; a chain when
-    absent), ``time_limit`` (seconds of local search) and ``objective`` (``"makespan"``, the
+    absent), ``time_limit`` (seconds of search instead of the default budget of evaluations,
+    which gives the same schedule on every machine) and ``objective`` (``"makespan"``, the
     default: one step; ``"span"``: back-to-back steps, the Zero Bubble paper's measure);
     dag-1f1b and dag-zb need ``edges`` and ``placement`` (the device of each stage) and take
     ``stage_names``; the other names take none.
