@@ -222,6 +222,11 @@ def test_global_norm_and_clipping_of_staged_grads_equal_optax_on_the_user_tree(m
     np.testing.assert_allclose(float(pipe.global_norm(ref_grads)), norm, rtol=1e-5)
     if module is gpt:  # the tied embedding is stored on both devices: optax counts it twice
         assert float(optax.tree.norm(grads)) > 1.01 * norm
+    # Staged grads inside a container (a metrics dict, a (grads, aux) pair) are counted
+    # through the layout too: they were taken for user leaves, the tied copies twice.
+    np.testing.assert_allclose(float(pipe.global_norm({"g": grads})), norm, rtol=1e-5)
+    both = float(pipe.global_norm((grads, ref_grads)))
+    np.testing.assert_allclose(both, np.sqrt(2) * norm, rtol=1e-5)
     # One clipped SGD step in the staged layout equals the same step on the user tree.
     limit = 0.5 * norm
     staged_opt = optax.chain(pipe.clip_by_global_norm(limit), optax.sgd(0.1))
@@ -740,8 +745,9 @@ def test_method_arguments_are_checked_before_any_work(mlp_setup):
         pipe.profile(params, batch, trace_dir=5)
     with pytest.raises(zbjax.PipelineError, match="optax GradientTransformation.*not a NoneType"):
         pipe.per_leaf(None)
-    with pytest.raises(zbjax.PipelineError, match="max_norm='1'; pass a number"):
-        pipe.clip_by_global_norm("1")
+    for bad in ("1", -1.0, float("nan")):
+        with pytest.raises(zbjax.PipelineError, match=f"max_norm={bad!r}; pass a number >= 0"):
+            pipe.clip_by_global_norm(bad)
     lowered = pipe.lower(params, batch)
     with pytest.raises(zbjax.PipelineError, match=r"not a Lowered \(call \.compile\(\) on it\)"):
         pipe.report(compiled=lowered)

@@ -727,13 +727,20 @@ class Pipeline:
         tied leaf twice; this counts every element once and equals ``optax.tree.norm`` of
         the user-layout tree. Works under ``jax.jit``.
         """
-        if not isinstance(tree, StagedParams):
-            leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-            leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-            return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
-        built = self._require_built("pipe.global_norm() of staged values")
-        self._check_staged(tree, built)
-        return global_norm(built.lowering.layout, tree)
+        # Staged values may sit inside a container ({"grads": grads}, (grads, aux)): each is
+        # counted through the layout, any other leaf as it is.
+        nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, StagedParams))
+        squares = []
+        for node in nodes:
+            if isinstance(node, StagedParams):
+                built = self._require_built("pipe.global_norm() of staged values")
+                self._check_staged(node, built)
+                squares.append(jnp.square(global_norm(built.lowering.layout, node)))
+                continue
+            x = jnp.asarray(node)
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                squares.append(jnp.sum(jnp.square(x.astype(jnp.float32))))
+        return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
     def clip_by_global_norm(self, max_norm: float):
         """Returns an optax transformation like ``optax.clip_by_global_norm(max_norm)`` whose
@@ -742,8 +749,13 @@ class Pipeline:
         import optax
 
         # A number (Python, NumPy, a 0-d array), or a traced scalar (a schedule's value).
-        if not isinstance(max_norm, jax.core.Tracer) and real_number(max_norm) is None:
-            raise PipelineError(f"max_norm={max_norm!r}; pass a number (the largest global norm)")
+        if not isinstance(max_norm, jax.core.Tracer):
+            number = real_number(max_norm)
+            if number is None or not number >= 0:  # NaN fails >= too
+                raise PipelineError(
+                    f"max_norm={max_norm!r}; pass a number >= 0 (the largest global norm: a "
+                    "negative one would flip every clipped update, NaN make them all NaN)"
+                )
 
         def update(updates, state, params=None):
             del params
