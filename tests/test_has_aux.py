@@ -156,3 +156,28 @@ def test_aux_computed_in_the_first_stage_is_carried_to_the_last():
     # sends the two scalars to the loss stage, not the activation.
     to_loss = [e for e in pipe.graph.edges if (e.src, e.dst) == (0, pipe.graph.loss_stage)]
     assert [v.shape for e in to_loss for v in e.values] == [(), ()]
+
+
+def test_a_loss_written_for_its_microbatch_shape_runs_with_aux():
+    """The check that refuses per-example aux traces loss_fn on the whole batch too; a loss
+    written for its microbatch's shape (a fixed reshape) failed there with its own TypeError,
+    though the pipeline only ever calls it on microbatches. Such a loss now runs."""
+    width, rows = 8, 2  # microbatches of 2 rows
+
+    def loss_fn(p, b):
+        x = b["x"].reshape(rows, width)
+        h = zbjax.stage_boundary(jnp.tanh(x @ p["w1"]))
+        loss = jnp.mean((h @ p["w2"] - b["y"].reshape(rows, width)) ** 2)
+        return loss, {"act": jnp.mean(h)}
+
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.normal(size=(width, width)) * 0.3) for k in ("w1", "w2")}
+    batch = {k: jnp.asarray(rng.normal(size=(8, width))) for k in ("x", "y")}
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=4, has_aux=True)
+    (loss, aux), grads = pipe.value_and_grad(params, batch)
+    (want, want_aux), want_grads = reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    np.testing.assert_allclose(aux["act"], want_aux["act"], rtol=1e-5)
+    for name in params:
+        np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-4, atol=1e-6)

@@ -910,6 +910,27 @@ def test_staged_params_of_another_pipelines_layout_are_refused():
     optax.apply_updates(restored, updates)
 
 
+def test_a_call_refused_for_its_key_or_batch_binds_the_pipeline_to_no_params():
+    """The first call passed the flax variables dict by mistake and a bad key (or a string
+    batch leaf): refused for the key, it bound the pipeline to that params tree, so the
+    corrected call was refused for its params."""
+    params, batch = two_layer_case(0)
+    variables = {"params": params}
+    for kwargs, bad_batch in (({"key": 0}, batch), ({}, {**batch, "name": "run1"})):
+        pipe = zbjax.pipeline(scalar_free_loss, mesh=pp_mesh(2), num_microbatches=2)
+        with pytest.raises(zbjax.PipelineError, match="key is int32|batch leaf \\['name'\\]"):
+            pipe.value_and_grad(variables, bad_batch, **kwargs)
+        assert_close(
+            pipe.value_and_grad(params, batch),
+            jax.value_and_grad(scalar_free_loss)(params, batch),
+        )
+
+
+def scalar_free_loss(params, batch):
+    h = zbjax.stage_boundary(jnp.tanh(batch["x"] @ params["w1"]))
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
 def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_them():
     params, batch = two_layer_case(0)
     params["scale"] = 0.5

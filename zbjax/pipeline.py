@@ -961,6 +961,12 @@ class Pipeline:
 
     def _get(self, params: Any, batch: Any, key: Any) -> _Built:
         first = self._params_treedef is None
+        # The key and batch are checked first: a call refused for them binds the pipeline to
+        # no params.
+        key_aval = None if key is None else _avals(key, "key")
+        if key_aval is not None:
+            _check_key(key_aval)
+        batch_avals = _avals(batch, "batch")
         if isinstance(params, StagedParams):
             built = self._require_built("pipe.value_and_grad with staged params")
             self._check_staged(params, built)
@@ -973,10 +979,6 @@ class Pipeline:
         else:
             self._check_params(params)  # the params' avals are this pipeline's from here on
             tries = [self._params_avals]
-        key_aval = None if key is None else _avals(key, "key")
-        if key_aval is not None:
-            _check_key(key_aval)
-        batch_avals = _avals(batch, "batch")
         for avals in tries:
             built = self._built_for(avals, batch, batch_avals, key_aval, first)
             if self._last is None or self._last.lowering.layout == built.lowering.layout:
@@ -1035,7 +1037,10 @@ class Pipeline:
             out = self.loss_fn(params, batch) if key is None else self.loss_fn(params, batch, key)
             return out[1]
 
-        whole_aux = jax.eval_shape(whole, params_avals, batch_avals, key_aval)
+        try:
+            whole_aux = jax.eval_shape(whole, params_avals, batch_avals, key_aval)
+        except Exception:  # noqa: BLE001 (a loss_fn written for its microbatch's shape)
+            return  # it runs on microbatches only, as the pipeline calls it: nothing to compare
         with_paths = jax.tree_util.tree_leaves_with_path(whole_aux)
         part_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
         for (path, full), part in zip(with_paths, part_avals, strict=True):
