@@ -284,3 +284,32 @@ def test_meshes_mixing_explicit_and_auto_axes(types):
     got = pipe.unstage(updates)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want_updates), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_inputs_sharded_on_another_explicit_mesh_of_the_same_devices_run():
+    """Params initialised sharded on jax.make_mesh((4,), ("data",)) (Explicit axes, its
+    default), or a batch put on another Explicit mesh, given to a pipeline on an Auto mesh of
+    the same devices: JAX's shard_map raised KeyError naming the other mesh's axis. Such
+    inputs are replicated on their own mesh first."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    devices = jax.devices()[:4]
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=mesh_2x2(("pp", "dp"), AUTO), schedule="1f1b", num_microbatches=2
+    )
+    init_mesh = jax.make_mesh((4,), ("data",), devices=devices, axis_types=(EXPLICIT,))
+    other = jax.make_mesh((2, 2), ("a", "b"), devices=devices, axis_types=(EXPLICIT,) * 2)
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2)
+
+    def on(mesh, spec, tree):  # leaves whose leading size the axis divides are split on it
+        size = mesh.shape[spec[0]]
+        return jax.tree.map(
+            lambda x: jax.device_put(
+                x, NamedSharding(mesh, spec if x.shape[0] % size == 0 else P())
+            ),
+            tree,
+        )
+
+    for p, b in ((on(init_mesh, P("data"), params), batch), (params, on(other, P("b"), batch))):
+        assert_close(pipe.value_and_grad(p, b), reference)

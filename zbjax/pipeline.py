@@ -1471,6 +1471,7 @@ class Pipeline:
         treedef = self._params_treedef
 
         def step(params, batch, key, pools):
+            params, batch = _off_other_meshes((params, batch), self.mesh)
             staged_input = isinstance(params, StagedParams)
             staged = (
                 params
@@ -1528,6 +1529,26 @@ def _replicated(tree: Any, mesh: Any) -> Any:
         return jax.reshard(x, sharding) if any(s is not None for s in spec) else x
 
     return jax.tree.map(replicate, tree)
+
+
+def _off_other_meshes(tree: Any, mesh: Any) -> Any:
+    """Returns ``tree`` with each array whose type shards it over the Explicit axes of a mesh
+    other than ``mesh`` (a sharded init on ``jax.make_mesh((4,), ("data",))`` of the same
+    devices) replicated on that mesh: the step's ``shard_map`` over ``mesh`` knows only its
+    own axes."""
+
+    def off(x: Any) -> Any:
+        sharding = getattr(jax.typeof(x), "sharding", None) if _is_array(x) else None
+        own = getattr(sharding, "mesh", None)
+        if (
+            own is None
+            or own == mesh.abstract_mesh
+            or not any(s is not None for s in sharding.spec)
+        ):
+            return x
+        return jax.reshard(x, NamedSharding(own, PartitionSpec()))
+
+    return jax.tree.map(off, tree)
 
 
 def _stage_params(graph: StageGraph) -> tuple:
