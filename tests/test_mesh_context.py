@@ -313,3 +313,23 @@ def test_inputs_sharded_on_another_explicit_mesh_of_the_same_devices_run():
 
     for p, b in ((on(init_mesh, P("data"), params), batch), (params, on(other, P("b"), batch))):
         assert_close(pipe.value_and_grad(p, b), reference)
+
+
+def test_a_call_inside_shard_map_says_the_step_is_a_shard_map_itself():
+    """Inside a shard_map over the pipeline's own mesh the context mesh's axes are Manual: the
+    error said the call ran "inside jax.set_mesh" and advised jax.set_mesh(pipe.mesh), which
+    cannot be used there."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    inside = jax.shard_map(
+        lambda p, b: pipe.value_and_grad(p, b)[0],
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(zbjax.PipelineError, match="inside jax.shard_map or jax.pmap .* outside"):
+        jax.jit(inside)(params, batch)

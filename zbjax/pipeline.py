@@ -499,6 +499,14 @@ class Pipeline:
         step cannot take it beside arrays on the mesh (JAX's "incompatible devices"), and a
         ``jax.set_mesh`` context of another mesh around the call."""
         context = jax.sharding.get_abstract_mesh()
+        if not context.empty and jax.sharding.AxisType.Manual in context.axis_types:
+            raise PipelineError(
+                "the call runs inside jax.shard_map or jax.pmap (the mesh's axes "
+                f"{', '.join(repr(n) for n in context.axis_names)} are manual there), but a "
+                "pipelined step is itself a shard_map over pipe.mesh; call pipe.value_and_grad "
+                "outside it (inside jax.jit is fine), and let the mesh's other axes do the "
+                "data parallelism"
+            )
         if not context.empty and context != self.mesh.abstract_mesh:
 
             def axes(mesh: Any) -> str:
