@@ -410,6 +410,11 @@ def test_buffers_outside_jit_and_ahead_of_time_and_bad_buffers():
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     with pytest.raises(zbjax.PipelineError, match="donated to an earlier step"):
         pipe.value_and_grad(params, batch, buffers=buffers)
+    # Another pipeline's buffers on other devices: JAX's "incompatible devices" before.
+    elsewhere = jax.make_mesh(mesh.devices.shape, mesh.axis_names, devices=jax.devices()[2:4])
+    other = zbjax.pipeline(loss_fn, mesh=elsewhere, schedule="zb-h1", num_microbatches=2)
+    with pytest.raises(zbjax.PipelineError, match="buffers lie on other devices"):
+        pipe.value_and_grad(params, batch, buffers=other.init_buffers(params, batch))
     compiled = pipe.lower(params, batch, buffers=returned).compile()
     loss, _, returned = compiled(params, batch, None, returned)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)

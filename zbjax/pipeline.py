@@ -611,6 +611,19 @@ class Pipeline:
                 f"buffers hold pools {got} but the step for these inputs' shapes needs {want}; "
                 "make them with pipe.init_buffers(params, batch) for inputs of these shapes"
             )
+        mesh_devices = set(self.mesh.devices.flat)
+        if any(
+            isinstance(p, jax.Array)
+            and not isinstance(p, jax.core.Tracer)
+            and not p.is_deleted()
+            and set(p.sharding.device_set) != mesh_devices
+            for p in buffers.pools
+        ):
+            raise PipelineError(
+                "these buffers lie on other devices than this pipeline's mesh (another "
+                "pipeline's pipe.init_buffers made them); make them with this pipeline's "
+                "pipe.init_buffers(params, batch)"
+            )
         if any(
             isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer) and p.is_deleted()
             for p in buffers.pools
