@@ -736,6 +736,12 @@ def test_method_arguments_are_checked_before_any_work(mlp_setup):
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
     with pytest.raises(zbjax.PipelineError, match="pass True or False"):
         zbjax.reference_value_and_grad(loss_fn, params, batch, 2, has_aux="yes")
+    # Shapes (a restore target, jax.eval_shape's output) build a pipeline, not run a step: a
+    # raw "not a valid JAX type" after the whole build before.
+    shapes = jax.eval_shape(lambda: batch)
+    for method in (pipe.value_and_grad, pipe.profile, pipe.measure_costs):
+        with pytest.raises(zbjax.PipelineError, match="batch leaf .* is a jax.ShapeDtypeStruct"):
+            method(params, shapes)
     for bad in (2.5, True, "3"):
         with pytest.raises(zbjax.PipelineError, match=f"steps={bad!r}; it must be an int >= 1"):
             pipe.profile(params, batch, steps=bad)  # 2.5 failed after compiling the step

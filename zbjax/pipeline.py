@@ -382,6 +382,7 @@ class Pipeline:
         (on CPU a memory pass per step, which ``keep_buffers`` saves only outside a ``jit``).
         Outside a ``jit`` the buffers passed in are donated and deleted.
         """
+        _refuse_shapes("value_and_grad", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         if buffers is not None:
@@ -454,6 +455,7 @@ class Pipeline:
                     f"trace_dir={trace_dir!r}; pass a directory path (a str or os.PathLike)"
                 )
             make_output_dir("trace_dir", trace_dir)
+        _refuse_shapes("profile", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         held = [_new_buffers(built)]
@@ -665,6 +667,7 @@ class Pipeline:
         that all build the same program.
         """
         comm = _flag("comm", comm, allow_none=True)
+        _refuse_shapes("measure_costs", params=params, batch=batch, key=key)
         repeats = _whole_number("repeats", repeats)
         if isinstance(params, StagedParams):
             raise PipelineError(
@@ -1550,6 +1553,20 @@ def _replicated(tree: Any, mesh: Any) -> Any:
         return jax.reshard(x, sharding) if any(s is not None for s in spec) else x
 
     return jax.tree.map(replicate, tree)
+
+
+def _refuse_shapes(method: str, **trees: Any) -> None:
+    """Raises PipelineError naming an input given as ``jax.ShapeDtypeStruct``: shapes build a
+    pipeline (``pipe.lower``, ``pipe.stage``), a step needs values."""
+    for name, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise PipelineError(
+                    f"{name} leaf {jax.tree_util.keystr(path) or '(the whole ' + name + ')'} is "
+                    f"a jax.ShapeDtypeStruct: pipe.{method} runs the step and needs values; "
+                    "shapes go to pipe.lower or pipe.stage (a restore target: restore the "
+                    "rows into it first)"
+                )
 
 
 def _off_other_meshes(tree: Any, mesh: Any) -> Any:
