@@ -114,8 +114,15 @@ def test_aux_errors_name_the_problem_and_the_fix():
     with pytest.raises(PartitionError, match=r"has_aux=True"):
         zbjax.pipeline(loss_fn, mesh=mesh, num_microbatches=2).value_and_grad(params, batch)
     scalar = lambda p, b: loss_fn(p, b)[0]  # noqa: E731
-    with pytest.raises(PartitionError, match=r"must return a pair \(loss, aux\)"):
+    with pytest.raises(
+        PartitionError, match=r"must return a pair \(loss, aux\); got a float32\[\]"
+    ):
         zbjax.pipeline(scalar, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+            params, batch
+        )
+    tagged = lambda p, b: (loss_fn(p, b)[0], {"phase": "train"})  # noqa: E731
+    with pytest.raises(PartitionError, match=r"aux leaf \['phase'\] is a str \('train'\)"):
+        zbjax.pipeline(tagged, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
     counts = lambda p, b: (loss_fn(p, b)[0], {"n": jnp.sum(b["tokens"] > 0)})  # noqa: E731

@@ -339,12 +339,26 @@ def _trace(
             _check_loss_leaf(out, "loss_fn returns")
             return out
         if not (isinstance(out, tuple | list) and len(out) == 2):
+            got = (
+                f"a {out.dtype}{list(out.shape)} array"
+                if isinstance(out, jax.Array)
+                else f"a {type(out).__name__}"
+                + (f" of {len(out)}" if isinstance(out, tuple | list) else "")
+            )
             raise PartitionError(
-                f"with has_aux=True, loss_fn must return a pair (loss, aux); got "
-                f"{type(out).__name__}; return (loss, aux), or pass has_aux=False"
+                f"with has_aux=True, loss_fn must return a pair (loss, aux); got {got}; "
+                "return (loss, aux), or pass has_aux=False"
             )
         _check_loss_leaf(out[0], "the loss in loss_fn's (loss, aux) is")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(out[1])
+        for path, leaf in with_paths:
+            if not isinstance(leaf, jax.Array | np.ndarray | np.generic | float | int | complex):
+                raise PartitionError(
+                    f"aux leaf {jax.tree_util.keystr(path) or '(the aux itself)'} is a "
+                    f"{type(leaf).__name__} ({leaf!r:.40}), not an array: aux holds arrays "
+                    "(metrics the pipeline averages over microbatches); keep other values "
+                    "(labels, flags) outside loss_fn"
+                )
         aux.append((treedef, [jax.tree_util.keystr(path) for path, _ in with_paths]))
         return [out[0], *(leaf for _, leaf in with_paths)]
 
