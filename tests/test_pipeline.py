@@ -721,6 +721,17 @@ def test_a_prebuilt_schedule_that_would_not_run_as_given_is_refused_when_built(m
         (dict(w_mem=7), r"w_mem = 7 is out of range"),
         (dict(schedule=None), r"unknown schedule None"),
         (dict(schedule="dag-1f1b", placement=5), r"placement=5; pass the device of each stage"),
+        # Advice that works: zb-v's 2 stages on 1 device need num_stages=4 for 2 devices
+        # (num_devices=2 alone was refused by build), the microbatch count names the fix.
+        (
+            dict(schedule=zbjax.schedules.build("zb-v", 2, 2)),
+            r"for 2 devices \(a schedule of 2 stages per device: num_stages=4\)",
+        ),
+        (
+            dict(schedule=zbjax.schedules.build("1f1b", 2, 4)),
+            r"pass num_microbatches=4 to zbjax.pipeline, or build the schedule for 2",
+        ),
+        (dict(axis_name=None), r"axis_name=None; pass the name \(a str\) of the mesh axis"),
     ],
 )
 def test_schedule_options_are_checked_when_the_pipeline_is_built(mlp_setup, kwargs, message):
@@ -1031,8 +1042,14 @@ def test_an_ordered_debug_print_is_rejected_naming_ordered_false(mlp_setup):
 def test_a_key_the_loss_cannot_take_or_a_missing_one_names_the_fix(mlp_setup):
     loss_fn, params, batch, _ = mlp_setup
     pipe = zbjax.pipeline(lambda p, b: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2)
-    with pytest.raises(zbjax.PartitionError, match="does not take a third argument"):
+    with pytest.raises(zbjax.PartitionError, match="does not take a third positional argument"):
         pipe.value_and_grad(params, batch, key=jax.random.key(0))
+    # A keyword-only key is named as such (the advice was to add the key it has).
+    keyword = zbjax.pipeline(
+        lambda p, b, *, key: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2
+    )
+    with pytest.raises(zbjax.PartitionError, match="key parameter that is positional"):
+        keyword.value_and_grad(params, batch, key=jax.random.key(0))
     needs_key = zbjax.pipeline(lambda p, b, k: loss_fn(p, b), mesh=pp_mesh(2), num_microbatches=2)
     for call in (needs_key.value_and_grad, needs_key.init_buffers, needs_key.stage):
         # The fix names every call that takes the key (it said value_and_grad for all).

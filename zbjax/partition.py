@@ -460,10 +460,15 @@ def _check_arity(loss_fn: Callable[..., Any], with_key: bool) -> None:
         signature.bind(*args)
     except TypeError:
         if with_key:
+            keyword_only = any(
+                p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values()
+            )
             raise PartitionError(
                 f"the pipeline got key=, so loss_fn is called as loss_fn(params, "
                 f"microbatch, key_i), but loss_fn{signature} does not take a third "
-                "argument; give loss_fn a key parameter, or call without key"
+                "positional argument; give loss_fn a key parameter"
+                + (" that is positional (not after *)" if keyword_only else "")
+                + ", or call without key"
             ) from None
         raise PartitionError(
             f"loss_fn{signature} is called as loss_fn(params, microbatch), but it needs "

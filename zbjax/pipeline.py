@@ -255,6 +255,11 @@ class Pipeline:
                 f"axes name the pipeline axis, e.g. jax.make_mesh((num_devices,), "
                 f"({axis_name!r},))"
             )
+        if not isinstance(axis_name, str):
+            raise PipelineError(
+                f"axis_name={axis_name!r}; pass the name (a str) of the mesh axis to pipeline "
+                f"over, one of {tuple(mesh.axis_names)}"
+            )
         if axis_name not in mesh.axis_names:
             raise PipelineError(
                 f"mesh has axes {tuple(mesh.axis_names)} but no axis named {axis_name!r}; "
@@ -1457,15 +1462,24 @@ class Pipeline:
 
     def _check_schedule(self, schedule: Schedule, graph: StageGraph | None = None) -> None:
         if schedule.num_devices != self.num_devices:
+            per_device = schedule.num_stages // max(schedule.num_devices, 1)
             raise ScheduleError(
                 f"schedule {schedule.name!r} runs on {schedule.num_devices} devices but mesh "
-                f"axis {self.axis_name!r} has {self.num_devices}; build the schedule with "
-                f"num_devices={self.num_devices}"
+                f"axis {self.axis_name!r} has {self.num_devices}; build the schedule for "
+                f"{self.num_devices} devices"
+                + (
+                    f" (a schedule of {per_device} stages per device: num_stages="
+                    f"{per_device * self.num_devices})"
+                    if per_device > 1 and schedule.num_stages % schedule.num_devices == 0
+                    else f" (num_devices={self.num_devices})"
+                )
             )
         if schedule.num_microbatches != self.num_microbatches:
             raise ScheduleError(
                 f"schedule {schedule.name!r} has {schedule.num_microbatches} microbatches but "
-                f"the pipeline splits the batch into num_microbatches={self.num_microbatches}"
+                f"the pipeline splits the batch into num_microbatches={self.num_microbatches}; "
+                f"pass num_microbatches={schedule.num_microbatches} to zbjax.pipeline, or build "
+                f"the schedule for {self.num_microbatches}"
             )
         if graph is not None and schedule.num_stages != graph.num_stages:
             raise ScheduleError(
