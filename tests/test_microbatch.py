@@ -116,3 +116,17 @@ def test_reference_with_data_parallel_shards_runs_block_s_with_fold_in_key_i_s()
     np.testing.assert_allclose(grads["w"], sum(p[1]["w"] for p in parts) / 4, rtol=1e-6)
     with pytest.raises(PipelineError, match="data_parallel=3 must be at least 1 and divide"):
         reference_value_and_grad(loss_fn, params, batch, 2, key=key, data_parallel=3)
+
+
+def test_keys_that_are_not_one_prng_key_are_refused_naming_the_fix():
+    """microbatch_keys and reference_value_and_grad passed JAX's "invalid PRNG key data" or
+    "fold_in accepts a single key" through; the pipeline's own key check now runs there."""
+    bad_keys = (3, "abc", jax.random.split(jax.random.key(0), 2), jnp.zeros(2))
+    for key in bad_keys:
+        with pytest.raises(PipelineError, match="pass one PRNG key"):
+            microbatch_keys(key, 4)
+    params, batch = jnp.ones((2, 2)), jnp.ones((4, 2))
+    with pytest.raises(PipelineError, match="key is int32\\[\\]; pass one PRNG key"):
+        reference_value_and_grad(lambda p, b, k: jnp.mean(b @ p), params, batch, 2, key=3)
+    assert microbatch_keys(jax.random.key(0), 3).shape == (3,)
+    assert microbatch_keys(jax.random.PRNGKey(0), 3).shape == (3, 2)

@@ -304,6 +304,15 @@ def test_a_marker_whose_output_is_unused_makes_no_cut_and_says_so():
         partition(lambda w, x: jnp.mean(zbjax.stage_boundary(jnp.tanh(x @ w)) @ w), w, x)
 
 
+def test_partition_names_a_leaf_that_is_not_an_array_and_an_assign_that_is_not_a_function():
+    w, x = jnp.eye(3), jnp.ones((2, 3))
+    loss_fn = lambda p, b: jnp.mean(b @ p["w"])  # noqa: E731
+    with pytest.raises(PartitionError, match=r"params leaf \['tag'\] is a str \('v1'\)"):
+        partition(loss_fn, {"w": w, "tag": "v1"}, x)
+    with pytest.raises(PartitionError, match="assign=3; pass a function"):
+        partition(loss_fn, {"w": w}, x, assign=3)
+
+
 def test_markers_that_make_a_stage_without_work_say_so():
     """A second tower's work reads only the batch and params, so it runs in stage 0 however
     late it is written: a marker on the first tower's output then starts a stage that only

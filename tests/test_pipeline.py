@@ -749,6 +749,8 @@ def test_method_arguments_are_checked_before_any_work(mlp_setup):
         zbjax.reference_value_and_grad(loss_fn, params, batch, 2, has_aux="yes")
     # Shapes (a restore target, jax.eval_shape's output) build a pipeline, not run a step: a
     # raw "not a valid JAX type" after the whole build before.
+    with pytest.raises(zbjax.PipelineError, match="a leaf is a str \\('abc'\\), not an array"):
+        pipe.global_norm("abc")
     shapes = jax.eval_shape(lambda: batch)
     for method in (pipe.value_and_grad, pipe.profile, pipe.measure_costs):
         with pytest.raises(zbjax.PipelineError, match="batch leaf .* is a jax.ShapeDtypeStruct"):

@@ -8,6 +8,7 @@ loss that is a mean over its batch and uses no key, that equals the full-batch v
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,33 @@ def _split_rows(leaf: Any, shape: tuple[int, ...]) -> Any:
     )
 
 
+@functools.cache
+def _raw_key_aval() -> jax.ShapeDtypeStruct:
+    """The aval of ``jax.random.PRNGKey(0)`` for the default PRNG implementation (traced once:
+    the key is checked on every call)."""
+    return jax.eval_shape(jax.random.PRNGKey, 0)
+
+
+def check_key(aval: Any) -> None:
+    """Raises PipelineError unless ``aval`` is one PRNG key: a typed key of shape () or a raw
+    uint32 key of the default implementation's shape (``jax.random.PRNGKey``)."""
+    if not isinstance(aval, jax.ShapeDtypeStruct):  # a pytree of keys
+        ok = False
+    elif jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        ok = aval.shape == ()
+    else:
+        raw = _raw_key_aval()
+        ok = aval.dtype == raw.dtype and aval.shape == raw.shape
+    if not ok:
+        shaped = isinstance(aval, jax.ShapeDtypeStruct)
+        got = f"{aval.dtype}{list(aval.shape)}" if shaped else repr(aval)
+        raise PipelineError(
+            f"key is {got}; pass one PRNG key, jax.random.key(seed) or "
+            "jax.random.PRNGKey(seed) (microbatch i gets jax.random.fold_in(key, i)); for "
+            "several random streams, split the key inside loss_fn"
+        )
+
+
 def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
     """Returns the stacked keys ``[fold_in(key, i) for i in range(num_microbatches)]``.
 
@@ -79,6 +107,11 @@ def microbatch_keys(key: jax.Array, num_microbatches: int) -> jax.Array:
     result shape ``[m, 2]``).
     """
     num_microbatches = count("num_microbatches", num_microbatches, PipelineError)
+    try:
+        aval = jax.eval_shape(lambda k: k, key)
+    except TypeError:  # not an array at all (a string)
+        aval = key
+    check_key(aval)
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_microbatches))
 
 

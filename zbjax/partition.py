@@ -133,9 +133,14 @@ def partition(
     """
     if num_stages is not None:
         num_stages = whole_count("num_stages", num_stages, PartitionError)
+    if assign is not None and not callable(assign):
+        raise PartitionError(
+            f"assign={assign!r}; pass a function (program, num_params) -> stage of each "
+            "equation, or None"
+        )
     batch = microbatch if key is None else (microbatch, key)
-    param_avals, params_treedef = _flat_avals(params)
-    batch_avals, batch_treedef = _flat_avals(batch)
+    param_avals, params_treedef = _flat_avals(params, "params")
+    batch_avals, batch_treedef = _flat_avals(batch, "microbatch")
     program = _traced(
         loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux, tensor_axis
     )
@@ -258,9 +263,20 @@ def stage_summary(graph: StageGraph) -> str:
 # ----------------------------------------------------------------------------- tracing
 
 
-def _flat_avals(tree: Any) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return tuple(leaf_aval(x) for x in leaves), treedef
+def _flat_avals(tree: Any, what: str) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    avals = []
+    for path, x in leaves:
+        try:
+            avals.append(leaf_aval(x))
+        except TypeError:
+            raise PartitionError(
+                f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} is "
+                f"a {type(x).__name__} ({x!r:.40}), which is not an array: JAX traces arrays "
+                f"and numbers only; take it out of the {what} (close over it in loss_fn), or "
+                "make it an array"
+            ) from None
+    return tuple(avals), treedef
 
 
 def leaf_aval(x: Any) -> jax.ShapeDtypeStruct:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import itertools
 import math
@@ -72,6 +71,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError, PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
+from zbjax.microbatch import check_key as _check_key
 from zbjax.microbatch import microbatch_keys, split_microbatches
 from zbjax.optim import per_leaf
 from zbjax.params import (
@@ -170,32 +170,6 @@ def _avals(tree: Any, what: str = "argument") -> Any:
                 "with functools.partial), or make it an array"
             ) from None
     return jax.tree_util.tree_unflatten(treedef, avals)
-
-
-@functools.cache
-def _raw_key_aval() -> jax.ShapeDtypeStruct:
-    """The aval of ``jax.random.PRNGKey(0)`` for the default PRNG implementation (traced once:
-    the key is checked on every call)."""
-    return jax.eval_shape(jax.random.PRNGKey, 0)
-
-
-def _check_key(aval: Any) -> None:
-    """Raises PipelineError unless ``aval`` is one PRNG key: a typed key of shape () or a raw
-    uint32 key of the default implementation's shape (``jax.random.PRNGKey``)."""
-    if not isinstance(aval, jax.ShapeDtypeStruct):  # a pytree of keys
-        ok = False
-    elif jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
-        ok = aval.shape == ()
-    else:
-        raw = _raw_key_aval()
-        ok = aval.dtype == raw.dtype and aval.shape == raw.shape
-    if not ok:
-        got = _shapes_text([aval]) if isinstance(aval, jax.ShapeDtypeStruct) else repr(aval)
-        raise PipelineError(
-            f"key is {got}; pass one PRNG key, jax.random.key(seed) or "
-            "jax.random.PRNGKey(seed) (microbatch i gets jax.random.fold_in(key, i)); for "
-            "several random streams, split the key inside loss_fn"
-        )
 
 
 def _whole_number(name: str, value: Any, at_least: int = 1) -> int:
@@ -766,7 +740,13 @@ class Pipeline:
                 self._check_staged(node, built)
                 squares.append(jnp.square(global_norm(built.lowering.layout, node)))
                 continue
-            x = jnp.asarray(node)
+            try:
+                x = jnp.asarray(node)
+            except TypeError:
+                raise PipelineError(
+                    f"pipe.global_norm takes params or grads (staged or in the user layout); "
+                    f"a leaf is a {type(node).__name__} ({node!r:.40}), not an array"
+                ) from None
             if jnp.issubdtype(x.dtype, jnp.inexact):
                 squares.append(jnp.sum(jnp.square(x.astype(jnp.float32))))
         return jnp.sqrt(sum(squares, jnp.float32(0.0)))
