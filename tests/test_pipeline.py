@@ -366,6 +366,11 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
         pipe.measure_costs(params, batch, comm="yes")
     packed = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=4, costs=costs)
     assert_close(packed.value_and_grad(params, batch), reference)
+    # The report simulates with the costs the pipeline was planned with, not the estimates.
+    planned = zbjax.schedules.simulate(packed.schedule, costs)
+    report = packed.report()
+    assert "simulated with the costs it was planned with (costs=)" in report
+    assert f"makespan {planned.makespan:.4g}" in report
     with pytest.raises(zbjax.PipelineError, match="user layout"):
         pipe.measure_costs(pipe.stage(params), batch)
 

@@ -850,7 +850,10 @@ class Pipeline:
             )
         built = self._require_built("pipe.report()")
         low = built.lowering
-        costs = program_costs(built.programs)
+        if self.costs:  # what the pipeline was planned with (measured costs, say)
+            costs, where = self.costs, "the costs it was planned with (costs=)"
+        else:
+            costs, where = program_costs(built.programs), "the stage programs' cost estimates"
         sim = schedules.simulate(built.schedule, costs)
         msg_bytes = low.slot_bytes()[3]
         lines = [
@@ -869,7 +872,7 @@ class Pipeline:
             stage_summary(built.graph),
             *_stage_dag_lines(built.graph, built.schedule, built.partitioner),
             "",
-            "schedule (simulated with the stage programs' cost estimates):",
+            f"schedule (simulated with {where}):",
             schedules.text_grid(built.schedule, sim),
             "",
             f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
