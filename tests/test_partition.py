@@ -277,7 +277,7 @@ def test_markers_inside_checkpoint_functions_are_seen():
     block = jax.checkpoint(lambda h, w: zbjax.stage_boundary(jnp.tanh(h @ w)))
 
     def loss_fn(w, x):
-        return jnp.mean(jnp.sin(zbjax.stage_boundary(block(x, w))) @ w)
+        return jnp.mean(jnp.sin(zbjax.stage_boundary(jnp.cos(block(x, w)))) @ w)
 
     w, x = jnp.eye(3) / 2, jnp.arange(6.0).reshape(2, 3)
     graph = partition(loss_fn, w, x)

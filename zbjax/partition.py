@@ -139,8 +139,8 @@ def partition(
             "equation, or None"
         )
     batch = microbatch if key is None else (microbatch, key)
-    param_avals, params_treedef = _flat_avals(params, "params")
-    batch_avals, batch_treedef = _flat_avals(batch, "microbatch")
+    param_avals, params_treedef = flat_avals(params, "params")
+    batch_avals, batch_treedef = flat_avals(batch, "microbatch")
     program = _traced(
         loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux, tensor_axis
     )
@@ -263,18 +263,23 @@ def stage_summary(graph: StageGraph) -> str:
 # ----------------------------------------------------------------------------- tracing
 
 
-def _flat_avals(tree: Any, what: str) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
+def flat_avals(
+    tree: Any, what: str, error: type[Exception] = PartitionError
+) -> tuple[tuple[jax.ShapeDtypeStruct, ...], Any]:
+    """Returns (each leaf's aval, the tree structure); raises ``error`` naming a leaf (of
+    ``what``: params, batch, key) that JAX cannot take as an array (a string, an object)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     avals = []
     for path, x in leaves:
         try:
             avals.append(leaf_aval(x))
         except TypeError:
-            raise PartitionError(
+            shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+            raise error(
                 f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} is "
-                f"a {type(x).__name__} ({x!r:.40}), which is not an array: JAX traces arrays "
-                f"and numbers only; take it out of the {what} (close over it in loss_fn), or "
-                "make it an array"
+                f"a {type(x).__name__} ({shown}), which is not an array: JAX traces arrays and "
+                f"numbers only; take it out of the {what} (close over it in loss_fn or bind it "
+                "with functools.partial), or make it an array"
             ) from None
     return tuple(avals), treedef
 

@@ -83,7 +83,7 @@ from zbjax.params import (
 )
 from zbjax.partition import (
     caller_stacklevel,
-    leaf_aval,
+    flat_avals,
     partition,
     stage_summary,
     warn_whole_regions,
@@ -156,19 +156,7 @@ def _strong(avals: Sequence[jax.ShapeDtypeStruct]) -> list[tuple]:
 def _avals(tree: Any, what: str = "argument") -> Any:
     """Returns ``tree`` with each leaf's aval; raises PipelineError naming a leaf (of ``what``:
     params, batch, key) that JAX cannot take as an array (a string, an arbitrary object)."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    avals = []
-    for path, x in leaves:
-        try:
-            avals.append(leaf_aval(x))
-        except TypeError:
-            shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
-            raise PipelineError(
-                f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} is "
-                f"a {type(x).__name__} ({shown}), which is not an array: JAX traces arrays and "
-                f"numbers only; take it out of the {what} (close over it in loss_fn or bind it "
-                "with functools.partial), or make it an array"
-            ) from None
+    avals, treedef = flat_avals(tree, what, PipelineError)
     return jax.tree_util.tree_unflatten(treedef, avals)
 
 

@@ -24,10 +24,11 @@ stage s; a device may hold several stages.
   two stages of one path). The result is the candidate with the least
   makespan among those at least as good as dag-1f1b in both makespan and longest device span,
   so dag-zb is never slower than dag-1f1b. The default memory limit is dag-1f1b's peak.
-  With one stage per device and m >= 2 x depth it is strictly faster whenever the DAG has an
-  edge (checked on random DAGs and costs in the tests; a DAG without edges has no bubble to
-  fill). Where a device holds several stages, dag-1f1b may already keep it busy, and dag-zb
-  ties.
+  With one stage per device and m >= 2 x depth it is faster whenever the DAG has an edge and
+  the step is not set by one stage's own busy time (checked on random DAGs and costs in the
+  tests; a DAG without edges has no bubble to fill, and where a heavier stage with no edges
+  is busy the whole step, both schedules take that time). Where a device holds several
+  stages, dag-1f1b may already keep it busy, and dag-zb ties.
 """
 
 from __future__ import annotations

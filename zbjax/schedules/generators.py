@@ -20,8 +20,10 @@ M_B units of one stage, ``w_mem`` = 0.5; m microbatches, p devices):
 - ``zb-v``: 2p stages, V placement (stage s on device s for s < p, on 2p-1-s otherwise).
   Each device runs whatever is ready in the order F then B of its second stage, F then B of
   its first stage, W when nothing is, keeping at most 2p stage units (= p units of a whole
-  device's model, the paper's p M_B). For m >= p the makespan is the lower bound 6m+p-1
-  (device p-1 cannot start before p-1 forwards), so the bubble is (p-1)/(6m+p-1); for
+  device's model, the paper's p M_B). For m >= p and w_mem < 1 (checked at 0.5 and 0.75)
+  the makespan is the lower bound 6m+p-1 (device p-1 cannot start before p-1 forwards), so
+  the bubble is (p-1)/(6m+p-1); at w_mem = 1 (W frees all of M_B) it can exceed it (p = 8,
+  m = 9: 67 instead of 61); for
   m >= 2p and w_mem = 0.5 no device idles between its first and last action (checked for
   p <= 12, m <= 5p; a larger w_mem leaves some gaps). Peak 2p stage units.
 
