@@ -1119,11 +1119,11 @@ class Pipeline:
         programs = split(graph)
         several = len({d.process_index for d in self.mesh.devices.flat}) > 1
         if several and self.costs is not None:
-            # Measured costs are each process's own timings; planned with, they would make
-            # each process a different program (a collective mismatch): process 0's plan all.
+            # Measured costs are each process's own timings: planned with, they would give
+            # each process another program (a collective mismatch). All plan with process 0's.
             self.costs = _from_first_process(self.costs)
         schedule = self._schedule(graph, programs, parted.placement, kind)
-        if several:  # zb-auto and dag-zb search under a wall-clock limit
+        if several:  # a search given time_limit= stops by each process's clock
             schedule = _from_first_process(schedule)
         costs = (self.costs or program_costs(programs)) if self.pack_ticks else None
         # The keys are the last batch leaf: (microbatches, keys) flattened.
@@ -1267,8 +1267,7 @@ class Pipeline:
     def _graph_partition(self, params_avals: Any, micro: Any, key_aval: Any) -> _Partitioned:
         """Returns GraphPipe's stage DAG of the traced program over the pp devices."""
         chosen: list[graphpipe.GraphPartition] = []
-
-        programs: list[Any] = []
+        programs: list[Any] = []  # the flat program GraphPipe cut, for the warning below
 
         def assign(program: Any, num_params: int) -> tuple[int, ...]:
             programs.append(program)
