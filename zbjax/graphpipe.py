@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
@@ -492,6 +492,19 @@ def step_estimate(bottleneck: float, path: float, num_microbatches: int) -> floa
     return path + (num_microbatches - 1) * bottleneck
 
 
+def dag_step_estimate(
+    times: Sequence[float], edges: Iterable[tuple[int, int]], num_microbatches: int
+) -> float:
+    """Returns :func:`step_estimate` of a stage DAG whose stages (numbered in topological
+    order, each on its own device) take ``times``: one microbatch's longest path through the
+    stages plus m - 1 times the slowest stage."""
+    edges = tuple(edges)
+    path = [0.0] * len(times)
+    for s in reversed(range(len(times))):
+        path[s] = times[s] + max((path[b] for a, b in edges if a == s), default=0.0)
+    return step_estimate(max(times), max(path), num_microbatches)
+
+
 def partition_from_stages(
     graph: OpGraph,
     stages: Sequence[Sequence[int]],
@@ -534,9 +547,6 @@ def partition_from_stages(
     weight = tuple(float(sum(g[v].w_cost for v in members[s])) for s in range(p))
     backward = tuple(total("backward_cost", s) - weight[s] for s in range(p))
     times = [forward[s] + backward[s] + weight[s] for s in range(p)]
-    path = [0.0] * p
-    for s in reversed(range(p)):
-        path[s] = times[s] + max((path[b] for a, b in edges if a == s), default=0.0)
     names = tuple(
         g[members[s][0]].name
         if len(members[s]) == 1
@@ -548,7 +558,7 @@ def partition_from_stages(
         placement=tuple(range(p)),
         edges=edges,
         stage_names=names,
-        predicted_step_time=step_estimate(max(times), max(path), num_microbatches),
+        predicted_step_time=dag_step_estimate(times, edges, num_microbatches),
         num_microbatches=num_microbatches,
         forward=forward,
         backward_input=backward,
@@ -766,6 +776,7 @@ class JaxprOpGraph:
 
     graph: OpGraph
     node_equations: tuple[tuple[int, ...], ...]
+    equation_costs: tuple[float, ...]  # ``cost_model.equation_cost`` of each equation
 
     def equation_stages(self, partition: GraphPartition) -> tuple[int, ...]:
         """Returns the stage of every equation of the jaxpr under ``partition``."""
@@ -923,4 +934,6 @@ def op_graph_from_jaxpr(
                 float(sum(aval_bytes(v.aval) for v in read_params)),
             )
         )
-    return JaxprOpGraph(OpGraph(tuple(nodes), tuple(sorted(edges))), tuple(map(tuple, members)))
+    return JaxprOpGraph(
+        OpGraph(tuple(nodes), tuple(sorted(edges))), tuple(map(tuple, members)), tuple(cost)
+    )

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax import cost_model, graphpipe, schedules
+from zbjax import graphpipe, schedules
 from zbjax._jax_compat import (
     context_mesh_devices,
     exchange_between_processes,
@@ -1267,11 +1267,11 @@ class Pipeline:
     def _graph_partition(self, params_avals: Any, micro: Any, key_aval: Any) -> _Partitioned:
         """Returns GraphPipe's stage DAG of the traced program over the pp devices."""
         chosen: list[graphpipe.GraphPartition] = []
-        programs: list[Any] = []  # the flat program GraphPipe cut, for the warning below
+        pieces: list[Any] = []  # the flat program's (equation, cost), for the warning below
 
         def assign(program: Any, num_params: int) -> tuple[int, ...]:
-            programs.append(program)
             op_graph = graphpipe.op_graph_from_jaxpr(program, num_params)
+            pieces[:] = zip(program.jaxpr.eqns, op_graph.equation_costs, strict=True)
             parted = graphpipe.graph_partition(
                 op_graph.graph, self.num_devices, self.num_microbatches
             )
@@ -1279,10 +1279,7 @@ class Pipeline:
             return op_graph.equation_stages(parted)
 
         graph = self._cut(params_avals, micro, key=key_aval, assign=assign)
-        eqns = programs[-1].jaxpr.eqns
-        warn_whole_regions(
-            [(eqn, cost_model.equation_cost(eqn)) for eqn in eqns], self.num_devices, graph=True
-        )
+        warn_whole_regions(pieces, self.num_devices, graph=True)
         parted = chosen[-1]
         graph = dataclasses.replace(
             graph,
@@ -1479,13 +1476,11 @@ class Pipeline:
         treedef = self._params_treedef
 
         def step(params, batch, key, pools):
-            params, batch = _off_other_meshes((params, batch), self.mesh)
             staged_input = isinstance(params, StagedParams)
-            staged = (
-                params
-                if staged_input
-                else stage_leaves(low.layout, _replicated(jax.tree.leaves(params), self.mesh))
-            )
+            # Rows and the batch keep their sharding on this mesh; leaves are joined into rows.
+            params = _replicated(params, self.mesh, own=not staged_input)
+            batch = _replicated(batch, self.mesh, own=False)
+            staged = params if staged_input else stage_leaves(low.layout, jax.tree.leaves(params))
             if self.tensor_axis is not None and not staged_input:
                 # Each device builds only its blocks of the rows it holds.
                 # (A constraint names Auto axes only; an Explicit pp axis is placed by the
@@ -1523,18 +1518,23 @@ def _traced(tree: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)) or under_trace()
 
 
-def _replicated(tree: Any, mesh: Any) -> Any:
-    """Returns ``tree`` (staged rows, or user-layout param leaves) with its arrays replicated
-    when ``mesh`` shards explicitly: rows are sliced and leaves flattened and joined next,
-    which JAX does not do to arrays sharded over explicit axes (a sharded init, a restored
-    checkpoint)."""
-    if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return tree
-    sharding = NamedSharding(mesh, PartitionSpec())
+def _replicated(tree: Any, mesh: Any, own: bool = True) -> Any:
+    """Returns ``tree`` with its arrays sharded over the Explicit axes of a mesh replicated
+    on that mesh: those of a mesh other than ``mesh`` (a sharded init on
+    ``jax.make_mesh((4,), ("data",))`` of the same devices), as the step's ``shard_map`` over
+    ``mesh`` knows only its own axes, and with ``own`` those of ``mesh`` too (staged rows or
+    user-layout param leaves, a sharded init, a restored checkpoint), as rows are sliced and
+    leaves flattened and joined next, which JAX does not do to arrays sharded over explicit
+    axes."""
 
     def replicate(x: Any) -> Any:
-        spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()) if _is_array(x) else ()
-        return jax.reshard(x, sharding) if any(s is not None for s in spec) else x
+        sharding = getattr(jax.typeof(x), "sharding", None) if _is_array(x) else None
+        if sharding is None or not any(s is not None for s in sharding.spec):
+            return x
+        if sharding.mesh == mesh.abstract_mesh:
+            return jax.reshard(x, NamedSharding(mesh, PartitionSpec())) if own else x
+        concrete = x.sharding.mesh if not isinstance(x, jax.core.Tracer) else sharding.mesh
+        return jax.reshard(x, NamedSharding(concrete, PartitionSpec()))
 
     return jax.tree.map(replicate, tree)
 
@@ -1551,26 +1551,6 @@ def _refuse_shapes(method: str, **trees: Any) -> None:
                     "shapes go to pipe.lower or pipe.stage (a restore target: restore the "
                     "rows into it first)"
                 )
-
-
-def _off_other_meshes(tree: Any, mesh: Any) -> Any:
-    """Returns ``tree`` with each array whose type shards it over the Explicit axes of a mesh
-    other than ``mesh`` (a sharded init on ``jax.make_mesh((4,), ("data",))`` of the same
-    devices) replicated on that mesh: the step's ``shard_map`` over ``mesh`` knows only its
-    own axes."""
-
-    def off(x: Any) -> Any:
-        sharding = getattr(jax.typeof(x), "sharding", None) if _is_array(x) else None
-        own = getattr(sharding, "mesh", None)
-        if (
-            own is None
-            or own == mesh.abstract_mesh
-            or not any(s is not None for s in sharding.spec)
-        ):
-            return x
-        return jax.reshard(x, NamedSharding(own, PartitionSpec()))
-
-    return jax.tree.map(off, tree)
 
 
 def _stage_params(graph: StageGraph) -> tuple:
@@ -1620,11 +1600,8 @@ def _arena_text(low: Lowering) -> str:
 def _predicted_step(graph: StageGraph, num_microbatches: int) -> float:
     """Returns GraphPipe's step model on a stage graph's forward costs, each stage on its own
     device: one microbatch's longest path through the stages plus m - 1 times the largest."""
-    times = [stage.cost for stage in graph.stages]
-    path = [0.0] * len(times)
-    for s in reversed(range(len(times))):  # stages are numbered in topological order
-        path[s] = times[s] + max((path[b] for a, b in graph.edge_pairs if a == s), default=0.0)
-    return graphpipe.step_estimate(max(times), max(path), num_microbatches)
+    times = [stage.cost for stage in graph.stages]  # stages are numbered in topological order
+    return graphpipe.dag_step_estimate(times, graph.edge_pairs, num_microbatches)
 
 
 def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) -> list[str]:
