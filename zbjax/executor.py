@@ -49,6 +49,15 @@ def run_schedule(
             f"params have tree structure {treedef} but the graph was partitioned with "
             f"{graph.params_treedef}; pass the same params pytree the graph was built from"
         )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    for path, leaf, aval in zip(paths, param_leaves, graph.param_avals, strict=True):
+        shape, dtype = jax.numpy.shape(leaf), jax.numpy.result_type(leaf)
+        if shape != tuple(aval.shape) or dtype != aval.dtype:
+            raise PipelineError(
+                f"params leaf {path or '(the params)'} is {dtype}{list(shape)} but the graph "
+                f"was partitioned with {aval.dtype}{list(aval.shape)}; pass params of the "
+                "shapes and dtypes the graph was built from"
+            )
     batch_leaves = _microbatch_leaves(graph, batch, key, m)
     runner = _Runner(graph, programs, param_leaves, batch_leaves, m, jit)
     runner.run(schedule)

@@ -354,12 +354,16 @@ class ActionTimes:
     runs: Mapping[str, int]
     step_seconds: float | None = None
     traced_step_seconds: float | None = None
+    empty: frozenset[str] = frozenset()  # actions with no op in the compiled step
 
     def per_run(self, scope: str, device: int | None = None) -> float:
         """Returns the seconds one run of action ``scope`` took, averaged over its runs (on
-        ``device``, else on the first device that ran it)."""
+        ``device``, else on the first device that ran it); 0.0 for an action whose program
+        compiled to no op (a first stage's B, with no input gradient to compute)."""
         if scope not in self.runs:
             raise PipelineError(f"no action {scope!r}; the schedule runs {sorted(self.runs)}")
+        if scope in self.empty:
+            return 0.0
         ran = [d for d, s in self.seconds.items() if scope in s]
         if not ran:
             raise PipelineError(f"the trace holds no event of action {scope!r}")
@@ -480,4 +484,6 @@ def action_times(
             "trace the steps of the very executable whose text was passed"
         )
     seconds = {d: {s: v / steps for s, v in scopes.items()} for d, scopes in total.items()}
-    return ActionTimes(steps, seconds, action_runs(schedule), step_seconds, traced_step_seconds)
+    runs = action_runs(schedule)
+    empty = frozenset(runs) - frozenset(ops.scope.values())
+    return ActionTimes(steps, seconds, runs, step_seconds, traced_step_seconds, empty)
