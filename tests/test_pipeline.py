@@ -976,6 +976,46 @@ def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_
         pipe.value_and_grad(params, {**batch, "t": 1.0})
 
 
+def test_an_offload_checkpoint_policy_runs_with_its_residuals_kept_on_the_device():
+    # offload_dot_with_no_batch_dims puts residuals in host memory; writing them into the
+    # step's device arenas raised JAX's "memory_space of all inputs ... must be the same".
+    policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+    def loss_fn(params, batch):
+        layer = jax.checkpoint(lambda w, x: jnp.tanh(x @ w), policy=policy)
+        h = zbjax.stage_boundary(layer(params["w1"], batch["x"]))
+        return jnp.mean((layer(params["w2"], h) - batch["y"]) ** 2)
+
+    params, batch = two_layer_case(4)
+    params["w2"] = np.ones((8, 2)) * 0.1
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
+    with pytest.warns(UserWarning, match="offload policy puts 2 residuals of stages"):
+        got = pipe.value_and_grad(params, batch)
+    assert_close(got, jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_a_leaf_of_size_zero_stages_unstages_and_gets_its_empty_gradient():
+    # An empty leaf (a table of 0 rows): unstaging it on an Explicit mesh failed in JAX
+    # (indexing a mesh-typed row to an empty result outside a mesh context).
+    params, batch = two_layer_case(3)
+    params = {**params, "scale": 0.5, "empty": np.zeros((0, 3), np.float32)}
+
+    def loss_fn(params, batch):
+        return scalar_loss(params, batch) + jnp.sum(params["empty"])
+
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])  # Explicit axes
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    reference = jax.value_and_grad(loss_fn)(params, batch)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+    staged = pipe.stage(params, batch)
+    assert pipe.unstage(staged)["empty"].shape == (0, 3)
+    tx = pipe.per_leaf(optax.adam(0.1))
+    loss, grads = pipe.value_and_grad(staged, batch)
+    updates, _ = tx.update(grads, tx.init(staged), staged)
+    assert pipe.unstage(updates)["empty"].shape == (0, 3)
+    assert_close((loss, pipe.unstage(grads)), reference)
+
+
 def test_integer_params_get_zero_gradients_of_their_own_dtype_under_data_parallelism():
     # An integer leaf (a step count, a lookup table) is not differentiated: its gradient is
     # zeros of its dtype, staged or not. The data-parallel mean once made those rows float32

@@ -914,6 +914,24 @@ def uninitialized(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return empty(shape, dtype)
 
 
+def in_host_memory(aval: Any) -> bool:
+    """Returns whether ``aval`` (a traced value's type) lies in host memory."""
+    memory = getattr(jax, "memory", None)
+    space = getattr(aval, "memory_space", None)
+    return memory is not None and space is not None and space == memory.Space.Host
+
+
+def on_device_memory(x: jax.Array) -> jax.Array:
+    """Returns ``x`` in device memory: a value a ``jax.checkpoint`` offload policy put in host
+    memory (``offload_dot_with_no_batch_dims``) is moved back, since the step's arenas are
+    device arrays (``dynamic_update_slice`` refuses to mix memory spaces)."""
+    space = getattr(jax.typeof(x), "memory_space", None)
+    memory = getattr(jax, "memory", None)
+    if memory is None or space is None or space == memory.Space.Device:
+        return x
+    return jax.device_put(x, memory.Space.Device)
+
+
 def set_rows(x: jax.Array, start: int, value: jax.Array) -> jax.Array:
     """Returns ``x`` with rows ``start : start + len(value)`` (axis 0) replaced by ``value``.
 

@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax._jax_compat import (
     eval_jaxpr_here,
+    on_device_memory,
     place_for_shard_map,
     set_rows,
     shard_map,
@@ -841,7 +842,7 @@ def _write_slots(writes: Sequence[tuple], tensor_axis: str | None = None) -> Non
 
 def _as_dtype(value: Any, dtype: Any) -> jax.Array:
     """Returns ``value`` as an array of ``dtype``, adding no conversion when it is one."""
-    value = jnp.asarray(value)
+    value = on_device_memory(jnp.asarray(value))
     return value if value.dtype == dtype else jax.lax.convert_element_type(value, dtype)
 
 

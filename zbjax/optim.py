@@ -227,10 +227,12 @@ class StateLayout:
         for k, offset, shape, split in self.leaves[device]:
             size = int(np.prod(shape, dtype=np.int64))
             if self.tensor is None:
-                values.append(rows[k][offset : offset + size].reshape(shape))
+                # lax.slice: JAX fails to index an array typed on a mesh to an empty result
+                # (a leaf of size 0) outside a mesh context
+                values.append(jax.lax.slice_in_dim(rows[k], offset, offset + size).reshape(shape))
                 continue
             row = rows[k].reshape(self.tensor[1], self.row_size[k])
-            blocks.append(row[:, offset : offset + size])
+            blocks.append(jax.lax.slice_in_dim(row, offset, offset + size, axis=1))
             where.append((shape, split))
         if self.tensor is not None and blocks:
             shapes, splits = zip(*where, strict=True)

@@ -365,10 +365,16 @@ def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, sl
     k = layout.dtype_index(slot.dtype)
     row = rows[k][device]
     if layout.tensor_size == 1:
-        return row[slot.offset : slot.offset + slot.size].reshape(slot.shape)
+        return _slice(row, slot).reshape(slot.shape)
     blocks = row.reshape(layout.tensor_size, layout.row_size[k])
-    parts = [b[slot.offset : slot.offset + slot.size].reshape(slot.shape) for b in blocks]
+    parts = [_slice(b, slot).reshape(slot.shape) for b in blocks]
     return _join_parts(layout, slot, parts)
+
+
+def _slice(row: jax.Array, slot: LeafSlot) -> jax.Array:
+    # lax.slice: indexing an array typed on a mesh to an empty result (a leaf of size 0)
+    # fails in JAX outside a mesh context.
+    return jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
 
 
 def read_slots(

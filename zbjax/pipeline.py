@@ -62,10 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zbjax import graphpipe, schedules
+from zbjax import cost_model, graphpipe, schedules
 from zbjax._jax_compat import (
     context_mesh_devices,
     exchange_between_processes,
+    in_host_memory,
     no_mesh_context,
     under_trace,
 )
@@ -1117,6 +1118,7 @@ class Pipeline:
                 lambda leaf: paths[leaf],
             )
         programs = split(graph)
+        _warn_host_residuals(programs)
         several = len({d.process_index for d in self.mesh.devices.flat}) > 1
         if several and self.costs is not None:
             # Measured costs are each process's own timings: planned with, they would give
@@ -1551,6 +1553,30 @@ def _refuse_shapes(method: str, **trees: Any) -> None:
                     "shapes go to pipe.lower or pipe.stage (a restore target: restore the "
                     "rows into it first)"
                 )
+
+
+def _warn_host_residuals(programs: Sequence[StageProgram]) -> None:
+    """Warns when a ``jax.checkpoint`` offload policy puts residuals in host memory: the
+    step keeps residuals in its arenas, in device memory."""
+    offloaded = [
+        (p.stage.index, aval)
+        for p in programs
+        for aval in (
+            *p.forward.out_avals[len(p.stage.jaxpr.out_avals) :],  # residuals
+            *p.backward_input.out_avals[len(p.backward_input.out_avals) - len(p.stash_avals) :],
+        )
+        if in_host_memory(aval)
+    ]
+    if offloaded:
+        nbytes = sum(cost_model.aval_bytes(aval) for _, aval in offloaded)
+        warnings.warn(
+            f"a jax.checkpoint offload policy puts {len(offloaded)} residuals of stages "
+            f"{sorted({s for s, _ in offloaded})} ({nbytes:,} bytes per microbatch) in host "
+            "memory, but the pipelined step keeps every residual in its arenas in device "
+            "memory, so they stay on the device (the results are the same); offloading is "
+            "not supported inside a pipeline: use a policy that saves or recomputes them",
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _stage_params(graph: StageGraph) -> tuple:
