@@ -153,6 +153,12 @@ def test_float64_model_under_enable_x64_matches_value_and_grad(name):
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             assert g.dtype == jnp.float64
             np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-13)
+        # The global norm sums float64 squares too (it summed float32, 1e-8 off optax's).
+        want = jnp.sqrt(sum(jnp.sum(jnp.square(r)) for r in jax.tree.leaves(ref_grads)))
+        staged_grads = pipe.value_and_grad(pipe.stage(params), batch)[1]
+        for norm in (pipe.global_norm(grads), pipe.global_norm(staged_grads)):
+            assert norm.dtype == jnp.float64
+            np.testing.assert_allclose(norm, want, rtol=1e-12)
 
 
 # ----------------------------------------------------------------------------- layouts, jit
@@ -992,6 +998,68 @@ def test_an_offload_checkpoint_policy_runs_with_its_residuals_kept_on_the_device
     with pytest.warns(UserWarning, match="offload policy puts 2 residuals of stages"):
         got = pipe.value_and_grad(params, batch)
     assert_close(got, jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_the_pipeline_composes_with_jax_debugging_and_tracing_settings():
+    params, batch = two_layer_case(5)
+    params["scale"] = 0.5
+    reference = jax.value_and_grad(scalar_loss)(params, batch)
+    pipe = zbjax.pipeline(scalar_loss, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    # No tracer outlives zbjax's traces (split kept the vjp's traced leaves).
+    with jax.checking_leaks():
+        assert_close(pipe.value_and_grad(params, batch), reference)
+    # Settings that change a trace are part of the cached trace's key, as of jit's: this
+    # pipeline traced without them, another built under them and this one called under them
+    # both trace again.
+    with jax.default_matmul_precision("highest"):
+        again = zbjax.pipeline(scalar_loss, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+        assert_close(again.value_and_grad(params, batch), reference)
+        dots = [e for s in again.graph.stages for e in s.jaxpr.eqns if "dot" in e.primitive.name]
+        assert dots and all(e.params["precision"] is not None for e in dots)
+
+    def broadcasting_loss(params, batch):
+        h = jnp.tanh(batch["x"] @ params["w1"]) + params["b"]  # [rows, 8] + [8]
+        return jnp.mean((zbjax.stage_boundary(h) @ params["w2"] - batch["y"]) ** 2)
+
+    ranked = zbjax.pipeline(broadcasting_loss, mesh=pp_mesh(2), num_microbatches=2)
+    with_bias = {**params, "b": np.zeros(8, np.float32)}
+    ranked.value_and_grad(with_bias, batch)
+    with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
+        ranked.value_and_grad(with_bias, batch)
+
+    # Under jax_debug_nans a NaN loss is JAX's FloatingPointError: JAX runs the step again,
+    # which the arenas donated on the eager path made "Array has been deleted".
+    def log_loss(params, batch):  # NaN: the log of negative entries
+        return jnp.mean(jnp.log(zbjax.stage_boundary(batch["x"] @ params["w1"]) @ params["w2"]))
+
+    nan = zbjax.pipeline(log_loss, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    nan.value_and_grad(params, batch)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError):
+        nan.value_and_grad(params, batch)
+
+
+def test_a_loss_reading_a_value_of_the_enclosing_jit_is_traced_in_each_jit():
+    # A bound method reading an attribute set from a jit argument: the trace closes over the
+    # jit's tracer, so a cached one handed to the next jit trace raised UnexpectedTracerError.
+    class Model:
+        scale = 1.0
+
+        def loss(self, params, batch):
+            return scalar_loss({**params, "scale": self.scale}, batch)
+
+    model = Model()
+    params, batch = two_layer_case(6)
+    pipe = zbjax.pipeline(model.loss, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
+
+    @jax.jit
+    def step(params, scale):
+        model.scale = scale
+        return pipe.value_and_grad(params, batch)
+
+    for scale in (2.0, 3):  # a float, then an int: two traces
+        model.scale = scale
+        want = jax.value_and_grad(model.loss)(params, batch)
+        assert_close(step(params, scale), want)
 
 
 def test_a_leaf_of_size_zero_stages_unstages_and_gets_its_empty_gradient():

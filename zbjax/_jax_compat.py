@@ -280,6 +280,43 @@ def under_trace() -> bool:
     return not _core.trace_ctx.is_top_level()
 
 
+#: JAX settings that change what tracing a function gives (``jax.default_matmul_precision``,
+#: ``jax.numpy_rank_promotion``, ... as contexts or config): jit retraces when they change.
+_TRACING_SETTINGS = (
+    "default_matmul_precision",
+    "numpy_rank_promotion",
+    "numpy_dtype_promotion",
+    "enable_x64",
+    "default_prng_impl",
+    "threefry_partitionable",
+    "softmax_custom_jvp",
+)
+
+
+def tracing_config() -> tuple:
+    """Returns the values of the JAX settings that change a trace, where they are set now (a
+    context manager included): part of the key of a cached trace, as of jit's."""
+    from jax._src import config
+
+    return tuple(getattr(getattr(config, name, None), "value", None) for name in _TRACING_SETTINGS)
+
+
+def checking_numerics() -> bool:
+    """Returns whether ``jax_debug_nans`` or ``jax_debug_infs`` is on here (a context
+    manager included): JAX then runs a step that made a NaN again, de-optimized, with the
+    same arguments, so none may be donated."""
+    from jax._src import config
+
+    return bool(config.debug_nans.value or config.debug_infs.value)
+
+
+def closes_over_tracers(consts: Sequence[Any]) -> bool:
+    """Returns whether a traced program's ``consts`` hold values of an enclosing trace (a
+    ``loss_fn`` that reads a value of the user's jit): such a program is valid in that trace
+    only, so it must not be cached for another."""
+    return any(isinstance(c, _core.Tracer) for c in consts)
+
+
 _EXCHANGES = itertools.count()
 
 

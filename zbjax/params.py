@@ -662,8 +662,10 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     step's gradients leave zeros there, but an optimizer run on the rows may not (0 / 0 in
     ``optax.adam(eps=0)``, or in float16 Adam whose eps underflows, makes NaN there).
     """
+    inexact = [row.dtype for row in staged.rows if jnp.issubdtype(row.dtype, jnp.inexact)]
+    wide = jnp.result_type(jnp.float32, *inexact)  # float64 rows (x64) keep their precision
     total = sum(
-        jnp.sum(jnp.square(_without_padding(layout, k, row).astype(jnp.float32)))
+        jnp.sum(jnp.square(_without_padding(layout, k, row).astype(wide)))
         for k, row in enumerate(staged.rows)
         if jnp.issubdtype(row.dtype, jnp.inexact)
     )
@@ -671,7 +673,7 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
         if jnp.issubdtype(jnp.dtype(slot.dtype), jnp.inexact):
             # Sliced along the row only, then picked out by a one-hot sum over devices: rows
             # sharded over the devices (explicitly so, too) can be reduced over, not sliced.
-            part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi].astype(jnp.float32)
+            part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi].astype(wide)
             squares = jnp.sum(jnp.square(part), axis=1)
             # Selected, not multiplied by the one-hot: another device's same columns may be
             # padding an optimizer filled with NaN (0 * NaN is NaN).

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import inspect
 import math
 import os
@@ -63,6 +62,7 @@ from zbjax import cost_model
 from zbjax._jax_compat import (
     REMAT_PRIMITIVES,
     bind_equation,
+    closes_over_tracers,
     equation_source,
     new_var,
     no_mesh_context,
@@ -70,6 +70,7 @@ from zbjax._jax_compat import (
     scan_counts,
     sharded_axes,
     strip_sharding_annotations,
+    tracing_config,
     user_line,
 )
 from zbjax.errors import PartitionError
@@ -310,28 +311,24 @@ def _traced(
     GraphPipe); both calls read the same trace. The traced program is never mutated.
     """
     args = (loss_fn, params_treedef, batch_treedef, tuple(param_avals), tuple(batch_avals))
+    cache_key = (*args, key is not None, has_aux, tensor_axis, tracing_config())
     try:
-        hash(args)
+        program = _TRACES.pop(cache_key, None)
     except TypeError:  # an unhashable loss_fn: trace without the cache
         return _trace(*args, key, has_aux, tensor_axis)
-    return _trace_cached(*args, key is not None, has_aux, tensor_axis)
+    if program is None:
+        program = _trace(*args, key, has_aux, tensor_axis)
+        if closes_over_tracers(program.consts):  # valid in the enclosing trace only
+            return program
+    _TRACES[cache_key] = program  # the most recently used last
+    while len(_TRACES) > _TRACES_KEPT:
+        _TRACES.popitem(last=False)
+    return program
 
 
-@functools.lru_cache(maxsize=4)
-def _trace_cached(
-    loss_fn: Callable[..., Any],
-    params_treedef: Any,
-    batch_treedef: Any,
-    param_avals: tuple[jax.ShapeDtypeStruct, ...],
-    batch_avals: tuple[jax.ShapeDtypeStruct, ...],
-    has_key: bool,
-    has_aux: bool,
-    tensor_axis: str | None,
-) -> _Program:
-    key = True if has_key else None
-    return _trace(
-        loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux, tensor_axis
-    )
+#: Recent traces by (loss_fn, shapes, settings); the oldest go first.
+_TRACES: collections.OrderedDict[tuple, _Program] = collections.OrderedDict()
+_TRACES_KEPT = 4
 
 
 def _trace(

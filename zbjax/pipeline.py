@@ -64,10 +64,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zbjax import cost_model, graphpipe, schedules
 from zbjax._jax_compat import (
+    checking_numerics,
+    closes_over_tracers,
     context_mesh_devices,
     exchange_between_processes,
     in_host_memory,
     no_mesh_context,
+    tracing_config,
     under_trace,
 )
 from zbjax.errors import PartitionError, PipelineError, ScheduleError
@@ -357,7 +360,7 @@ class Pipeline:
             self._check_buffers(buffers, built)
             self._check_permutes(built, built.step_with_pools, params, batch, key, buffers)
             return built.step_with_pools(params, batch, key, buffers)
-        if self.keep_buffers and not _traced((params, batch, key)):
+        if self.keep_buffers and not _traced((params, batch, key)) and not checking_numerics():
             # The arenas of the previous call are donated to this one, so no step spends time
             # allocating and initialising them.
             pools = self._pools.pop(id(built), None) or _new_buffers(built)
@@ -737,7 +740,8 @@ class Pipeline:
                     f"a leaf is a {type(node).__name__} ({node!r:.40}), not an array"
                 ) from None
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                squares.append(jnp.sum(jnp.square(x.astype(jnp.float32))))
+                wide = jnp.result_type(jnp.float32, x.dtype)  # float64 (x64) stays float64
+                squares.append(jnp.sum(jnp.square(x.astype(wide))))
         return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
     def clip_by_global_norm(self, max_norm: float):
@@ -1005,6 +1009,7 @@ class Pipeline:
             jax.tree_util.tree_structure(batch),
             tuple(jax.tree.leaves(batch_avals)),
             None if key_aval is None else (key_aval.shape, str(key_aval.dtype)),
+            tracing_config(),  # jax.default_matmul_precision(...) and the like: as jit would
         )
         if cache_key not in self._built:
             # Shapes decide the build, so a batch of known shapes needs no checking again
@@ -1019,6 +1024,8 @@ class Pipeline:
                 if first:  # params nothing was built for do not bind the pipeline to them
                     self._params_treedef = self._params_avals = None
                 raise
+            if any(closes_over_tracers(s.jaxpr.consts) for s in built.graph.stages):
+                return built  # loss_fn read a value of the enclosing trace: valid there only
             self._built[cache_key] = built
         return self._built[cache_key]
 

@@ -357,8 +357,10 @@ def _forward_and_backward(stage: Stage, roles: _Roles) -> tuple[ClosedJaxpr, Clo
         primals = [args[p] for p in diff_positions]
         diff_outs, vjp_fn, aux = jax.vjp(differentiable, *primals, has_aux=True)
         leaves, captured["treedef"] = jax.tree_util.tree_flatten(vjp_fn)
-        captured["is_traced"] = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
-        captured["leaves"] = leaves
+        traced = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
+        # The constant leaves only: a tracer kept past the trace is a leak (jax.checking_leaks).
+        captured["leaves"] = [None if t else leaf for leaf, t in zip(leaves, traced, strict=True)]
+        captured["is_traced"] = traced
         outs = _merge(diff_outs, aux, roles.output_positions, num_outputs)
         return outs + [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)]
 
