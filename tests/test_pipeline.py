@@ -274,6 +274,8 @@ def test_report_names_stages_schedule_bubble_and_compiled_memory(mlp_setup):
     compiled = pipe.lower(staged, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert f"temporaries {temp:,} B" in pipe.report(compiled)
+    # The compiled step takes the arguments it was lowered with (no key: none).
+    assert_close(compiled(staged, batch), pipe.value_and_grad(staged, batch))
 
 
 def planned_and_plain(mlp_setup, schedule, costs):
@@ -982,6 +984,37 @@ def test_python_scalar_and_float64_numpy_params_run_as_jax_value_and_grad_takes_
         pipe.value_and_grad(params, {**batch, "t": 1.0})
 
 
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
+def test_markers_inside_a_checkpoint_keep_its_rematerialisation_in_every_stage(policy):
+    # The region was inlined whole to cut it, so every stage stored all its activations as if
+    # there were no jax.checkpoint; now each piece between markers is a checkpoint of its own.
+    def dense(w, x):
+        return jnp.tanh(x @ w)
+
+    def region(ws, x):
+        h = zbjax.stage_boundary(dense(ws[0], x))
+        return dense(ws[1], h) + x  # a skip over the marker
+
+    def inside(ws, batch):
+        h = jax.checkpoint(region, policy=policy)(ws[:2], batch["x"])
+        return jnp.mean((zbjax.stage_boundary(h) @ ws[2] - batch["y"]) ** 2)
+
+    def per_piece(ws, batch):
+        ck = jax.checkpoint(dense, policy=policy)
+        h = ck(ws[1], zbjax.stage_boundary(ck(ws[0], batch["x"]))) + batch["x"]
+        return jnp.mean((zbjax.stage_boundary(h) @ ws[2] - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(7)
+    ws = [rng.normal(size=(4, 4)) * 0.5 for _ in range(2)] + [rng.normal(size=(4, 2))]
+    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 2))}
+    stored = []
+    for loss_fn in (inside, per_piece):
+        pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(3), schedule="zb-h1", num_microbatches=2)
+        assert_close(pipe.value_and_grad(ws, batch), jax.value_and_grad(inside)(ws, batch))
+        stored.append([p.activation_bytes for p in pipe.programs])
+    assert stored[0] == stored[1]
+
+
 def test_an_offload_checkpoint_policy_runs_with_its_residuals_kept_on_the_device():
     # offload_dot_with_no_batch_dims puts residuals in host memory; writing them into the
     # step's device arenas raised JAX's "memory_space of all inputs ... must be the same".
@@ -1036,6 +1069,26 @@ def test_the_pipeline_composes_with_jax_debugging_and_tracing_settings():
     nan.value_and_grad(params, batch)
     with jax.debug_nans(True), pytest.raises(FloatingPointError):
         nan.value_and_grad(params, batch)
+
+
+def test_reverse_mode_through_the_pipelined_step_matches_jax():
+    params, batch = two_layer_case(8)
+    params["scale"] = 0.5
+    pipe = zbjax.pipeline(scalar_loss, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2)
+
+    def pipelined(params):
+        return pipe.value_and_grad(params, batch)[0]
+
+    want = jax.grad(scalar_loss)(params, batch)
+    assert_close((0.0, jax.jit(jax.grad(pipelined))(params)), (0.0, want))
+
+    # Grad of a function of the grads: through the step's own backward.
+    def squared_w1(grad_fn):
+        return lambda p: jnp.sum(jnp.square(grad_fn(p)["w1"]))
+
+    got = jax.jit(jax.grad(squared_w1(lambda p: pipe.value_and_grad(p, batch)[1])))(params)
+    want = jax.grad(squared_w1(lambda p: jax.grad(scalar_loss)(p, batch)))(params)
+    assert_close((0.0, got), (0.0, want))
 
 
 def test_a_loss_reading_a_value_of_the_enclosing_jit_is_traced_in_each_jit():

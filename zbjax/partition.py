@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -616,7 +617,9 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> l
     for eqn in jaxpr.eqns:
         invals = [_read(env, a) for a in eqn.invars]
         body = _inline_body(eqn)
-        if body is not None:
+        if body is not None and eqn.primitive.name in _INLINE_IF_MARKED:
+            outs = _eval_checkpoint_cut(eqn, body[0], body[1], invals)
+        elif body is not None:
             outs = _eval_inlined(body[0], body[1], invals)
         else:
             with eqn.ctx.manager:
@@ -629,6 +632,59 @@ def _inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Returns ``closed`` retraced with its call wrappers inlined (recursively)."""
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
     return jax.make_jaxpr(lambda *args: _eval_inlined(closed.jaxpr, closed.consts, args))(*avals)
+
+
+def _eval_checkpoint_cut(
+    eqn: Any, body: Jaxpr, consts: Sequence[Any], invals: Sequence[Any]
+) -> list[Any]:
+    """Evaluates a ``jax.checkpoint`` (``nn.remat``) region whose body holds markers as one
+    checkpoint, with the region's policy, per piece between its markers, the markers between
+    them: each stage then rematerialises its part of the region as the user asked (inlined
+    whole, every stage would store all of its part's activations)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.invars]
+    flat = jax.make_jaxpr(lambda *args: _eval_inlined(body, consts, args))(*avals)
+    jaxpr, eqns = flat.jaxpr, flat.jaxpr.eqns
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, flat.consts, strict=True))
+    env.update(zip(jaxpr.invars, invals, strict=True))
+    cuts = [i for i, e in enumerate(eqns) if is_stage_boundary(e)]
+    remat = functools.partial(
+        jax.checkpoint,
+        prevent_cse=eqn.params.get("prevent_cse", True),
+        policy=eqn.params.get("policy"),
+    )
+    for lo, hi in zip([0, *(c + 1 for c in cuts)], [*cuts, len(eqns)], strict=True):
+        piece = eqns[lo:hi]
+        defined = {v for e in piece for v in e.outvars}
+        ins = list(
+            dict.fromkeys(
+                v for e in piece for v in e.invars if isinstance(v, Var) and v not in defined
+            )
+        )
+        read_later = {v for e in eqns[hi:] for v in e.invars if isinstance(v, Var)}
+        read_later |= {v for v in jaxpr.outvars if isinstance(v, Var)}
+        outs = [v for e in piece for v in e.outvars if v in read_later]
+
+        def run(*values: Any, piece: Sequence[Any] = piece, ins=ins, outs=outs) -> list[Any]:
+            local = dict(zip(ins, values, strict=True))
+            for e in piece:
+                with e.ctx.manager:
+                    local.update(
+                        zip(
+                            e.outvars,
+                            bind_equation(e, [_read(local, a) for a in e.invars]),
+                            strict=True,
+                        )
+                    )
+            return [local[v] for v in outs]
+
+        if piece:
+            env.update(zip(outs, remat(run)(*(env[v] for v in ins)), strict=True))
+        if hi < len(eqns):  # the marker, outside every checkpoint
+            marker = eqns[hi]
+            with marker.ctx.manager:
+                values = bind_equation(marker, [_read(env, a) for a in marker.invars])
+            env.update(zip(marker.outvars, values, strict=True))
+    return [_read(env, a) for a in jaxpr.outvars]
 
 
 def _dce(jaxpr: Jaxpr) -> Jaxpr:

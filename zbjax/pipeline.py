@@ -386,10 +386,14 @@ class Pipeline:
         *,
         buffers: Buffers | None = None,
     ) -> jax.stages.Lowered:
-        """Returns the jitted step's ``Lowered`` for these inputs (``.compile()`` works).
+        """Returns the jitted step's ``Lowered`` for these inputs: ``.compile()`` gives the
+        step, called as ``compiled(params, batch)`` (``compiled(params, batch, key)`` when
+        lowered with a key), returning (loss, grads).
 
         With ``buffers``, the step that takes them (donated) as a fourth argument and returns
-        (loss, grads, buffers), as ``value_and_grad(..., buffers=)`` runs it."""
+        (loss, grads, buffers), as ``value_and_grad(..., buffers=)`` runs it:
+        ``compiled(params, batch, key, buffers)``, with ``key`` None if ``loss_fn`` takes none.
+        """
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         if buffers is not None:
@@ -397,7 +401,9 @@ class Pipeline:
             self._check_permutes(built, built.step_with_pools, params, batch, key, buffers)
             return built.step_with_pools.lower(params, batch, key, buffers)
         self._check_permutes(built, built.step, params, batch, key)
-        return built.step.lower(params, batch, key)
+        return (
+            built.step.lower(params, batch) if key is None else built.step.lower(params, batch, key)
+        )
 
     def profile(
         self,
@@ -1143,7 +1149,7 @@ class Pipeline:
         if several:
             _check_same_program(graph, lowering.schedule, micro)
         step_fn = self._step_fn(lowering, graph, key_aval is not None)
-        step = jax.jit(lambda params, batch, key: step_fn(params, batch, key, None)[:2])
+        step = jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[:2])
 
         def step_buffers(params, batch, key, buffers):
             loss, grads, pools = step_fn(params, batch, key, list(buffers.pools))
