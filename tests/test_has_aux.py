@@ -188,3 +188,49 @@ def test_a_loss_written_for_its_microbatch_shape_runs_with_aux():
     np.testing.assert_allclose(aux["act"], want_aux["act"], rtol=1e-5)
     for name in params:
         np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_flax_batch_stats_pass_in_params_and_come_back_as_aux():
+    """The README's path for Flax mutable state: batch_stats in the params tree (a zero
+    gradient) and the updated state returned as aux, averaged over the microbatches."""
+    import flax.linen as nn
+    import optax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x))
+            x = zbjax.stage_boundary(jnp.tanh(x))
+            return nn.Dense(2)(x)
+
+    net = Net()
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=(8, 2))}
+    variables = net.init(jax.random.key(0), batch["x"])
+
+    def loss_fn(variables, batch):
+        out, state = net.apply(variables, batch["x"], mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), state
+
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(2), schedule="zb-h1", num_microbatches=2, has_aux=True
+    )
+    (loss, state), grads = pipe.value_and_grad(variables, batch)
+    want = reference_value_and_grad(loss_fn, variables, batch, 2, has_aux=True)
+    for got, ref in zip(
+        jax.tree.leaves(((loss, state), grads)), jax.tree.leaves(want), strict=True
+    ):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert all(np.all(g == 0) for g in jax.tree.leaves(grads["batch_stats"]))
+    # The running mean moved from its initial zeros, as one step of BatchNorm moves it.
+    assert np.any(np.asarray(state["batch_stats"]["BatchNorm_0"]["mean"]) != 0)
+    # Kept out of the optimizer, it stays as the step left it.
+    labels = {k: ("frozen" if k == "batch_stats" else "train") for k in variables}
+    tx = pipe.per_leaf(
+        optax.multi_transform({"train": optax.adamw(0.1), "frozen": optax.set_to_zero()}, labels)
+    )
+    staged = pipe.stage(variables)
+    staged_grads = pipe.value_and_grad(staged, batch)[1]
+    updates = pipe.unstage(tx.update(staged_grads, tx.init(staged), staged)[0])
+    assert all(np.all(u == 0) for u in jax.tree.leaves(updates["batch_stats"]))
+    assert all(np.any(u != 0) for u in jax.tree.leaves(updates["params"]))

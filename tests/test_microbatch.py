@@ -75,6 +75,19 @@ def test_reference_equals_full_batch_value_and_grad_for_a_mean_loss():
     np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-6)
 
 
+def test_reference_refuses_an_aux_leaf_whose_mean_is_not_of_its_dtype():
+    # An int32 count came back as 0 (its sum times an int32 1/m), a bool as an OR; the
+    # pipeline refuses such aux leaves, and so does the reference now.
+    params = {"w": jnp.ones((3, 2))}
+    batch = {"x": jnp.ones((8, 3)), "y": jnp.ones((8, 2))}
+
+    def counted(params, batch):
+        return _mean_loss(params, batch), {"ok": jnp.float32(1), "n": jnp.sum(batch["x"] > 0)}
+
+    with pytest.raises(PipelineError, match=r"aux leaf \[.n.\] is int32\[\]"):
+        reference_value_and_grad(counted, params, batch, 2, has_aux=True)
+
+
 def keyed_loss(params, batch, key):
     keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
     return jnp.mean(jnp.where(keep, batch["x"], 0.0) @ params["w"])

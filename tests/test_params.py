@@ -148,6 +148,15 @@ def test_global_norm_counts_every_param_element_once():
         np.testing.assert_allclose(float(global_norm(layout, staged)), want, rtol=1e-6)
 
 
+def test_global_norm_counts_complex_elements_by_their_modulus():
+    # The rows were cast to float32 before squaring, which dropped the imaginary parts.
+    avals = [jax.ShapeDtypeStruct((2, 3), jnp.complex64), jax.ShapeDtypeStruct((4,), jnp.float32)]
+    values = [jnp.full((2, 3), 3 + 4j, jnp.complex64), jnp.ones(4)]
+    layout = staged_layout(avals, ((0,), (1,)), (0, 1), 2)
+    got = global_norm(layout, stage_leaves(layout, values))
+    np.testing.assert_allclose(float(got), np.sqrt(6 * 25 + 4), rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "stage_leaves_, placement, rows",
     [

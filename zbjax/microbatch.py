@@ -176,6 +176,8 @@ def reference_value_and_grad(
             else:  # one shard keeps key_i itself, as a pipeline without data axes does
                 extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
             value, grads = value_and_grad(params, block, *extra)
+            if has_aux:
+                _check_aux_floating(value[1])
             dtypes = jax.tree.map(jnp.result_type, (value, grads))
             # Summed in float32 where 16-bit: a float16 sum of m terms overflows where their
             # mean does not.
@@ -189,6 +191,21 @@ def reference_value_and_grad(
         dtypes,
     )
     return mean, grads
+
+
+def _check_aux_floating(aux: Any) -> None:
+    """Raises PipelineError naming an aux leaf that is not floating: its mean over the
+    microbatches, as the pipeline returns it, is not one of its dtype (an integer count's
+    mean truncated to 0, a bool's to an OR)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise PipelineError(
+                f"aux leaf {jax.tree_util.keystr(path) or '(the aux itself)'} is "
+                f"{dtype}{list(jnp.shape(leaf))}; each aux leaf comes back as its mean over the "
+                "microbatches, as the loss does, so return floating values (e.g. "
+                "jnp.mean(correct.astype(jnp.float32)))"
+            )
 
 
 def _wide(x: Any) -> Any:

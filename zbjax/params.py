@@ -662,10 +662,8 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     step's gradients leave zeros there, but an optimizer run on the rows may not (0 / 0 in
     ``optax.adam(eps=0)``, or in float16 Adam whose eps underflows, makes NaN there).
     """
-    inexact = [row.dtype for row in staged.rows if jnp.issubdtype(row.dtype, jnp.inexact)]
-    wide = jnp.result_type(jnp.float32, *inexact)  # float64 rows (x64) keep their precision
     total = sum(
-        jnp.sum(jnp.square(_without_padding(layout, k, row).astype(wide)))
+        sum_of_squares(_without_padding(layout, k, row))
         for k, row in enumerate(staged.rows)
         if jnp.issubdtype(row.dtype, jnp.inexact)
     )
@@ -673,13 +671,23 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
         if jnp.issubdtype(jnp.dtype(slot.dtype), jnp.inexact):
             # Sliced along the row only, then picked out by a one-hot sum over devices: rows
             # sharded over the devices (explicitly so, too) can be reduced over, not sliced.
-            part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi].astype(wide)
-            squares = jnp.sum(jnp.square(part), axis=1)
+            part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi]
+            squares = sum_of_squares(part, axis=1)
             # Selected, not multiplied by the one-hot: another device's same columns may be
             # padding an optimizer filled with NaN (0 * NaN is NaN).
             mine = np.arange(layout.num_devices) == device
             total = total - jnp.sum(jnp.where(mine, squares, 0.0))
     return jnp.sqrt(jnp.maximum(total, 0.0))
+
+
+def sum_of_squares(x: jax.Array, axis: int | None = None) -> jax.Array:
+    """Returns the sum of ``|x|^2`` (along ``axis``, else all of it), as ``optax.tree.norm``
+    squares: 16-bit floats summed in float32, float64 (x64) in float64, complex values by
+    their modulus."""
+    x = x.astype(jnp.result_type(jnp.float32, x.dtype))
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.sum(jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x)), axis=axis)
+    return jnp.sum(jnp.square(x), axis=axis)
 
 
 def unpack_stage_params(

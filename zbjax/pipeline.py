@@ -83,6 +83,7 @@ from zbjax.params import (
     dtype_name,
     global_norm,
     stage_leaves,
+    sum_of_squares,
     unstage_leaves,
 )
 from zbjax.partition import (
@@ -746,8 +747,7 @@ class Pipeline:
                     f"a leaf is a {type(node).__name__} ({node!r:.40}), not an array"
                 ) from None
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                wide = jnp.result_type(jnp.float32, x.dtype)  # float64 (x64) stays float64
-                squares.append(jnp.sum(jnp.square(x.astype(wide))))
+                squares.append(sum_of_squares(x))
         return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
     def clip_by_global_norm(self, max_norm: float):
