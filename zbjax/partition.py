@@ -591,7 +591,7 @@ def _inline_body(eqn: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
         where = {
             "cond": "a lax.cond/switch branch",
             "while": "a lax.while_loop/fori_loop body",
-            "scan": "a lax.scan body (e.g. Flax nn.scan)",
+            "scan": "a lax.scan body (e.g. Flax nn.scan, or a fori_loop of fixed length)",
         }.get(name, f"the body of a {name!r} equation")
         if name.startswith(("custom_vjp_call", "custom_jvp_call")):
             kind = "jvp" if name == "custom_jvp_call" else "vjp"
