@@ -356,9 +356,10 @@ def per_leaf(
         if params.layout not in (None, staged_layout.fingerprint):
             raise PipelineError(
                 f"per_leaf(...).{what}: the staged arrays follow another pipeline's layout "
-                "(another schedule, stage count or placement puts the leaves elsewhere in the "
-                "rows); use the per_leaf of the pipeline that staged them, or stage the params "
-                "with this one: pipe.stage(other_pipe.unstage(staged))"
+                "(another schedule, stage count, placement or, for an automatic cut, microbatch "
+                "shape puts the leaves elsewhere in the rows); use the per_leaf of the "
+                "pipeline that staged them, or stage the params with this one: "
+                "pipe.stage(other_pipe.unstage(staged))"
             )
         if tuple(np.shape(r)[-1] for r in params.rows) != widths:
             raise PipelineError(

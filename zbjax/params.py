@@ -93,7 +93,8 @@ class StagedLayout:
     @functools.cached_property
     def fingerprint(self) -> str:
         """A digest of where every leaf lies in the rows: two layouts with the same rows' shapes
-        (another schedule, stage count or placement of one model) have different ones."""
+        (another schedule, stage count or placement of one model, or for an automatic cut
+        another microbatch shape) have different ones."""
         where = (
             self.dtypes,
             self.row_size,

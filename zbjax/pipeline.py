@@ -944,9 +944,10 @@ class Pipeline:
         got = [tuple(np.shape(r)) for r in staged.rows]
         if staged.layout not in (None, layout.fingerprint):
             raise PipelineError(
-                "staged params follow another pipeline's layout (another schedule, stage count "
-                "or placement puts the leaves elsewhere in the rows, though the rows' shapes "
-                "may agree); pass this pipeline's pipe.stage(params), e.g. "
+                "staged params follow another pipeline's layout (another schedule, stage count, "
+                "placement or, for an automatic cut, microbatch shape (num_microbatches, batch "
+                "size, data-parallel size) puts the leaves elsewhere in the rows, though the "
+                "rows' shapes may agree); pass this pipeline's pipe.stage(params), e.g. "
                 "pipe.stage(other_pipe.unstage(staged))"
             )
         cast = [

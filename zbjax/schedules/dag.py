@@ -169,6 +169,10 @@ def _list_schedule(
     backward = "B" if split else "BW"
     stages_on = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
     end: dict[tuple[str, int, int], float] = {}
+    # The same end times, a min-heap: ``now`` never decreases (it is the earliest free time of
+    # the devices with work left), so times up to it are dropped for good and the next event
+    # after it is at the top (scanning ``end`` at every wait made the search quadratic).
+    ends: list[float] = []
     counts = [[0, 0, 0] for _ in range(num_stages)]  # F, B, W done per stage
     memory = [0.0] * num_devices
     free = [0.0] * num_devices
@@ -239,7 +243,9 @@ def _list_schedule(
             # Wait for the next event: an input ending, or another device moving on.
             later = [o[0] for o in back + fwd if o[0] is not None and o[0] > now + _EPS]
             later += [free[x] for x in active if free[x] > now + _EPS]
-            later += [t for t in end.values() if t > now + _EPS]
+            while ends and ends[0] <= now + _EPS:
+                heapq.heappop(ends)
+            later += ends[:1]
             if not later:
                 stalled_rounds += 1
                 if stalled_rounds > num_devices:
@@ -251,6 +257,7 @@ def _list_schedule(
         stalled_rounds = 0
         _, kind, s, i = choice
         end[(kind, s, i)] = free[d] = now + duration(kind, s)
+        heapq.heappush(ends, free[d])
         counts[s][{"F": 0, "B": 1, "BW": 1, "W": 2}[kind]] += 1
         if kind == "BW":
             counts[s][2] += 1
