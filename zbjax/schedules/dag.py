@@ -216,10 +216,11 @@ def _list_schedule(
         return {"F": f[s], "B": b[s], "W": w[s], "BW": fused[s]}[kind]
 
     stalled_rounds = 0
-    while any(remaining):
-        active = [d for d in range(num_devices) if remaining[d]]
-        d = min(active, key=lambda x: (free[x], x))
-        now = free[d]
+    # The devices with work left, by (free time, device): the one to run next is at the top.
+    queue = [(free[x], x) for x in range(num_devices) if remaining[x]]
+    heapq.heapify(queue)
+    while queue:
+        now, d = heapq.heappop(queue)
         back, fwd, wgt = options(d)
         ready_back = sorted(o[1:] for o in back if o[0] is not None and o[0] <= now + _EPS)
         ready_fwd = sorted(o[1:] for o in fwd if o[0] is not None and o[0] <= now + _EPS)
@@ -242,7 +243,7 @@ def _list_schedule(
         if choice is None:
             # Wait for the next event: an input ending, or another device moving on.
             later = [o[0] for o in back + fwd if o[0] is not None and o[0] > now + _EPS]
-            later += [free[x] for x in active if free[x] > now + _EPS]
+            later += [t for t, _ in queue if t > now + _EPS]  # the other devices
             while ends and ends[0] <= now + _EPS:
                 heapq.heappop(ends)
             later += ends[:1]
@@ -251,8 +252,9 @@ def _list_schedule(
                 if stalled_rounds > num_devices:
                     return None
                 free[d] = now + _EPS  # let the other devices at this time move first
-                continue
-            free[d] = min(later)
+            else:
+                free[d] = min(later)
+            heapq.heappush(queue, (free[d], d))
             continue
         stalled_rounds = 0
         _, kind, s, i = choice
@@ -264,6 +266,8 @@ def _list_schedule(
         memory[d] += release[kind] if kind == "F" else -release[kind]
         orders[d].append(Action(kind, s, i))
         remaining[d] -= 1
+        if remaining[d]:
+            heapq.heappush(queue, (free[d], d))
     return orders
 
 
