@@ -639,52 +639,44 @@ def _padding(layout: StagedLayout, k: int) -> list[tuple[int, int, int]]:
     return ranges
 
 
-def _without_padding(layout: StagedLayout, k: int, row: jax.Array) -> jax.Array:
-    """Returns ``row`` (all devices' rows of dtype ``k``) with zeros in its padding, selected by
-    index comparisons (no constant as large as the rows)."""
-    ranges = _padding(layout, k)
+def _counted_once(layout: StagedLayout, k: int, row: jax.Array) -> jax.Array:
+    """Returns ``row`` (all devices' rows of dtype ``k``) with zeros in its padding and in the
+    extra copies of leaves (``_norm_extras``), selected by index comparisons (no constant as
+    large as the rows): left out, not subtracted, as an inf subtracted from an inf is NaN."""
+    ranges = _padding(layout, k) + [
+        (device, lo, hi)
+        for device, slot, lo, hi in _norm_extras(layout)
+        if layout.dtype_index(slot.dtype) == k
+    ]
     if not ranges:
         return row
     device = jax.lax.broadcasted_iota(jnp.int32, row.shape, 0)
     column = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
-    pad = functools.reduce(
+    left_out = functools.reduce(
         jnp.logical_or,
         [(device == d) & (column >= lo) & (column < hi) for d, lo, hi in ranges],
     )
-    return jnp.where(pad, jnp.zeros((), row.dtype), row)
+    return jnp.where(left_out, jnp.zeros((), row.dtype), row)
 
 
 def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     """Returns the L2 norm of the params (or grads) in ``staged``, each element counted once:
-    equal to ``optax.tree.norm`` of the user-layout tree (works under ``jax.jit``).
+    equal to ``optax.tree.norm`` of the user-layout tree, integer and bool leaves included
+    (works under ``jax.jit``).
 
-    The norm of every row less that of the ``extra_copies`` (and, over a tensor axis, of the
-    blocks' copies of replicated leaves). Row padding is left out: ``stage_leaves`` and the
-    step's gradients leave zeros there, but an optimizer run on the rows may not (0 / 0 in
+    The norm of every row without the ``extra_copies`` (and, over a tensor axis, the blocks'
+    copies of replicated leaves). Row padding is left out: ``stage_leaves`` and the step's
+    gradients leave zeros there, but an optimizer run on the rows may not (0 / 0 in
     ``optax.adam(eps=0)``, or in float16 Adam whose eps underflows, makes NaN there).
     """
-    total = sum(
-        sum_of_squares(_without_padding(layout, k, row))
-        for k, row in enumerate(staged.rows)
-        if jnp.issubdtype(row.dtype, jnp.inexact)
-    )
-    for device, slot, lo, hi in _norm_extras(layout):
-        if jnp.issubdtype(jnp.dtype(slot.dtype), jnp.inexact):
-            # Sliced along the row only, then picked out by a one-hot sum over devices: rows
-            # sharded over the devices (explicitly so, too) can be reduced over, not sliced.
-            part = staged.rows[layout.dtype_index(slot.dtype)][:, lo:hi]
-            squares = sum_of_squares(part, axis=1)
-            # Selected, not multiplied by the one-hot: another device's same columns may be
-            # padding an optimizer filled with NaN (0 * NaN is NaN).
-            mine = np.arange(layout.num_devices) == device
-            total = total - jnp.sum(jnp.where(mine, squares, 0.0))
-    return jnp.sqrt(jnp.maximum(total, 0.0))
+    total = sum(sum_of_squares(_counted_once(layout, k, row)) for k, row in enumerate(staged.rows))
+    return jnp.sqrt(total)
 
 
 def sum_of_squares(x: jax.Array, axis: int | None = None) -> jax.Array:
     """Returns the sum of ``|x|^2`` (along ``axis``, else all of it), as ``optax.tree.norm``
     squares: 16-bit floats summed in float32, float64 (x64) in float64, complex values by
-    their modulus."""
+    their modulus, integers and bools (0 or 1) in float32."""
     x = x.astype(jnp.result_type(jnp.float32, x.dtype))
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         return jnp.sum(jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x)), axis=axis)

@@ -727,7 +727,8 @@ class Pipeline:
         In the staged layout a tied leaf is stored (and its gradient returned) once per device
         that reads it, and rows are padded, so ``optax.tree.norm`` of staged grads counts a
         tied leaf twice; this counts every element once and equals ``optax.tree.norm`` of
-        the user-layout tree. Works under ``jax.jit``.
+        the user-layout tree (integer and bool leaves included, complex ones by modulus).
+        Works under ``jax.jit``.
         """
         # Staged values may sit inside a container ({"grads": grads}, (grads, aux)): each is
         # counted through the layout, any other leaf as it is.
@@ -746,8 +747,7 @@ class Pipeline:
                     f"pipe.global_norm takes params or grads (staged or in the user layout); "
                     f"a leaf is a {type(node).__name__} ({node!r:.40}), not an array"
                 ) from None
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                squares.append(sum_of_squares(x))
+            squares.append(sum_of_squares(x))  # integer and bool leaves too, as optax counts
         return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
     def clip_by_global_norm(self, max_norm: float):
