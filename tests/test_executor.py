@@ -214,6 +214,8 @@ def test_params_or_batch_that_do_not_fit_the_graph_are_refused():
     wider = jax.tree.map(lambda x: jnp.zeros((*x.shape[:-1], x.shape[-1] + 1), x.dtype), params)
     with pytest.raises(PipelineError, match=r"params leaf .* but the graph was partitioned with"):
         run_schedule(graph, programs, schedule, wider, batch, jit=False)
+    with pytest.raises(PipelineError, match="jit='no'; pass True or False"):
+        run_schedule(graph, programs, schedule, params, batch, jit="no")
     halved = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     with pytest.raises(PipelineError, match=r"is bfloat16\[.*partitioned with float32"):
         run_schedule(graph, programs, schedule, halved, batch, jit=False)

@@ -71,6 +71,10 @@ def test_non_series_parallel_graph_is_chained_merged_or_refused():
     # A non-SP part inside an SP graph: only that part is affected.
     inner = _graph([1] * 6, [(0, 1), (0, 2), (1, 3), (2, 3), (2, 4), (3, 5), (4, 5)])
     validate(schedule_for(graph_partition(inner, 3, 4), 4))
+    with pytest.raises(PartitionError, match="takes an OpGraph"):
+        graph_partition("g", 2, 4)
+    with pytest.raises(PartitionError, match="num_microbatches = 0"):
+        graph_partition(inner, 3, 4).stage_memory(0)
 
 
 def test_op_graph_and_arguments_are_checked():

@@ -86,6 +86,8 @@ def test_reference_refuses_an_aux_leaf_whose_mean_is_not_of_its_dtype():
 
     with pytest.raises(PipelineError, match=r"aux leaf \[.n.\] is int32\[\]"):
         reference_value_and_grad(counted, params, batch, 2, has_aux=True)
+    with pytest.raises(PipelineError, match=r"pair \(loss, aux\); got a float32\[\] array"):
+        reference_value_and_grad(_mean_loss, params, batch, 2, has_aux=True)
 
 
 def keyed_loss(params, batch, key):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zbjax.errors import PipelineError
 from zbjax.params import (
     StagedParams,
     extra_copies,
@@ -150,6 +151,17 @@ def test_global_norm_counts_every_param_element_once():
         broken = leaves()
         broken[0] = broken[0].at[2, 1].set(jnp.inf)
         assert float(global_norm(layout, stage_leaves(layout, broken))) == np.inf
+
+
+def test_staged_params_print_any_leaves_and_need_one_row_per_dtype():
+    layout = staged_layout(AVALS, STAGE_LEAVES, (0, 1, 2, 3), 4)
+    staged = stage_leaves(layout, leaves())
+    assert repr(staged) == "StagedParams(float32[4, 43], int32[4, 1])"
+    # jax.tree.map to shapes (what one prints to look at a state) crashed in the repr.
+    shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), staged)
+    assert repr(shapes) == "StagedParams(((4, 43), 'float32'), ((4, 1), 'int32'))"
+    with pytest.raises(PipelineError, match="1 rows and 2 dtypes"):
+        StagedParams(staged.rows[:1], staged.dtypes)
 
 
 def test_global_norm_counts_complex_elements_by_their_modulus():

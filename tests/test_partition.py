@@ -311,6 +311,13 @@ def test_partition_names_a_leaf_that_is_not_an_array_and_an_assign_that_is_not_a
         partition(loss_fn, {"w": w, "tag": "v1"}, x)
     with pytest.raises(PartitionError, match="assign=3; pass a function"):
         partition(loss_fn, {"w": w}, x, assign=3)
+    with pytest.raises(PartitionError, match="takes loss_fn.* first, not int 3"):
+        partition(3, {"w": w}, x)
+    with pytest.raises(zbjax.PipelineError, match="key is int32"):
+        partition(lambda p, b, k: loss_fn(p, b), {"w": w}, x, key=3)
+    # A loss without a batch parameter is told so (it was told it "needs other arguments").
+    with pytest.raises(PartitionError, match="takes no second positional argument"):
+        partition(lambda p: jnp.sum(p["w"]), {"w": w}, x)
 
 
 def test_markers_that_make_a_stage_without_work_say_so():

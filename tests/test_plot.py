@@ -163,6 +163,8 @@ def test_chrome_trace_has_one_complete_event_per_action_with_its_times():
 def test_write_trace_writes_json_that_loads_back(tmp_path):
     path = write_trace(two_device_schedule(), tmp_path / "trace.json")
     assert json.loads(path.read_text()) == chrome_trace(two_device_schedule())
+    # Into a folder that does not exist yet, as pipe.profile's trace_dir: it is made.
+    assert write_trace(two_device_schedule(), tmp_path / "new" / "trace.json").is_file()
 
 
 def test_gantt_saves_a_png_titled_with_name_sizes_and_bubble_rate(tmp_path):

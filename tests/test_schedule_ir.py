@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import zbjax
 from zbjax.errors import ScheduleError
 from zbjax.schedules import (
     KINDS,
@@ -244,6 +245,12 @@ def test_malformed_schedules_and_costs_raise_schedule_errors(make, needle):
         (lambda: build("zb-v", 4, 4, mem_limit=1.5), "needs at least 2"),
         (lambda: validate("zb-h1"), "build it first"),
         (lambda: span_bubble_rate(build("1f1b", 3, 3), simulate(build("1f1b", 2, 2))), "0F2"),
+        (lambda: zbjax.schedules.parse_actions(3), "text of Schedule.to_text"),
+        (lambda: zbjax.schedules.dependencies(build("1f1b", 2, 2), "3F0"), "3F0 is outside"),
+        (lambda: zbjax.schedules.dependencies(build("1f1b", 2, 2), 7), "takes an Action"),
+        (lambda: zbjax.schedules.memory_delta(Action("B", 0, 0), 2), "w_mem = 2"),
+        (lambda: zbjax.schedules.chain_edges(-1), "num_stages = -1"),
+        (lambda: zbjax.schedules.dag_zb([(0, 1)], (0, 1), 2, search_time=-1), "search_time"),
     ],
 )
 def test_bad_arguments_to_build_and_validate_raise_schedule_errors(call, needle):

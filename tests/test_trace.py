@@ -174,6 +174,10 @@ def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
     assert times.per_run("B s0") == 0.0
     with pytest.raises(zbjax.PipelineError, match="device 1 ran no 'W s0'; devices \\[0\\] did"):
         times.per_run("W s0", device=1)
+    with pytest.raises(zbjax.PipelineError, match="takes the base Costs"):
+        times.costs(None)
+    with pytest.raises(zbjax.PipelineError, match=r"no device 7 in the trace; it holds \[0\]"):
+        times.action_seconds(7)
     with pytest.raises(zbjax.PipelineError, match="no \\*.trace.json.gz"):
         action_times(tmp_path / "empty", HLO, 1, schedule)
     with pytest.raises(zbjax.PipelineError, match="no event of module"):

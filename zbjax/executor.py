@@ -42,6 +42,8 @@ def run_schedule(
     deadlocks or leaves work undone, ``PipelineError`` when params or batch do not fit the graph.
     """
     _check_inputs(graph, programs, schedule)
+    if not isinstance(jit, bool):
+        raise PipelineError(f"run_schedule's jit={jit!r}; pass True or False")
     m = schedule.num_microbatches
     param_leaves, treedef = jax.tree_util.tree_flatten(params)
     if treedef != graph.params_treedef:

@@ -168,7 +168,11 @@ class GraphPartition:
 
     def stage_memory(self, num_microbatches: int | None = None) -> tuple[float, ...]:
         """Returns each stage's bytes under dag-1f1b: params + activations in flight."""
-        m = num_microbatches or self.num_microbatches
+        m = (
+            self.num_microbatches
+            if num_microbatches is None
+            else count("num_microbatches", num_microbatches, PartitionError)
+        )
         depth = depth_to_sink(self.num_stages, self.edges)
         return tuple(
             self.param_bytes[s] + self.activation_bytes[s] * min(m, depth[s])
@@ -583,6 +587,11 @@ def graph_partition(
     simulated with dag-1f1b and the fastest simulated one is returned (``refine=0``: the
     cost model's best, unsimulated). Raises PartitionError when no plan fits ``mem_limit``.
     """
+    if not isinstance(graph, OpGraph):
+        raise PartitionError(
+            f"graph_partition takes an OpGraph (OpGraph(nodes, edges), or "
+            f"op_graph_from_jaxpr(...).graph), not {type(graph).__name__} {graph!r:.40}"
+        )
     num_devices = count("num_devices", num_devices, PartitionError)
     num_microbatches = count("num_microbatches", num_microbatches, PartitionError)
     refine = count("refine", refine, PartitionError, at_least=0)

@@ -156,8 +156,23 @@ def reference_value_and_grad(
             f"rows ({sorted(rows)} per microbatch); use a batch size that is a multiple of "
             f"{num_microbatches * max(data_parallel, 1)}"
         )
+
+    def checked(*args: Any) -> Any:
+        out = loss_fn(*args)
+        if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+            got = (
+                f"a {out.dtype}{list(out.shape)} array"
+                if hasattr(out, "dtype") and hasattr(out, "shape")
+                else f"a {type(out).__name__}"
+            )
+            raise PipelineError(
+                f"with has_aux=True, loss_fn must return a pair (loss, aux); got {got}; "
+                "return (loss, aux), or pass has_aux=False"
+            )
+        return out
+
     # Integer (and bool) leaves get zero gradients of their own dtype, as the pipeline gives.
-    differentiate = jax.value_and_grad(loss_fn, has_aux=has_aux, allow_int=True)
+    differentiate = jax.value_and_grad(checked, has_aux=has_aux, allow_int=True)
 
     def value_and_grad(params, *args):
         value, grads = differentiate(params, *args)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zbjax._jax_compat import add_rows, set_rows
+from zbjax.errors import PipelineError
 from zbjax.stages import leading_rows
 from zbjax.tensor import from_blocks, to_blocks
 
@@ -287,6 +288,11 @@ class PackedRows:
         self.rows = tuple(rows)
         self.dtypes = tuple(dtypes)
         self.layout = layout
+        if len(self.rows) != len(self.dtypes):
+            raise PipelineError(
+                f"{type(self).__name__} of {len(self.rows)} rows and {len(self.dtypes)} dtypes "
+                f"{list(self.dtypes)}; give one row per dtype (rows as pipe.stage returns them)"
+            )
 
     def __contains__(self, key: object) -> bool:
         """False: the rows hold no named entries (Flax's ``TrainState`` asks whether the params
@@ -301,12 +307,15 @@ class PackedRows:
         return cls(rows, meta.dtypes, meta.layout)
 
     def __repr__(self) -> str:
-        # The rows' own dtypes (a row cast by jax.tree.map keeps the recorded ones).
-        shapes = ", ".join(
-            f"{dtype_name(getattr(r, 'dtype', dt))}{list(np.shape(r))}"
-            for dt, r in zip(self.dtypes, self.rows, strict=True)
+        # The rows' own dtypes (a row cast by jax.tree.map keeps the recorded ones); a leaf
+        # that is no array (jax.tree.map(lambda x: x.shape, staged)) is shown as it is.
+        shown = ", ".join(
+            f"{dtype_name(r.dtype)}{list(r.shape)}"
+            if hasattr(r, "dtype") and hasattr(r, "shape")
+            else repr(r)
+            for r in self.rows
         )
-        return f"{type(self).__name__}({shapes})"
+        return f"{type(self).__name__}({shown})"
 
 
 @jax.tree_util.register_pytree_node_class

@@ -76,6 +76,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
+from zbjax.microbatch import check_key
 from zbjax.schedules.ir import count as whole_count
 from zbjax.stages import Edge, Stage, StageGraph, has_cotangent, key_data_aval, keys_as_data
 
@@ -133,8 +134,15 @@ def partition(
     stages at the same pieces of work when the program has as many as then, so another batch
     shape keeps the stages (and the staged params layout); the graph records its ``cut``.
     """
+    if not callable(loss_fn):
+        raise PartitionError(
+            f"partition takes loss_fn(params, microbatch) -> loss first, not "
+            f"{type(loss_fn).__name__} {loss_fn!r:.40}"
+        )
     if num_stages is not None:
         num_stages = whole_count("num_stages", num_stages, PartitionError)
+    if key is not None:
+        check_key(leaf_aval(key))
     if assign is not None and not callable(assign):
         raise PartitionError(
             f"assign={assign!r}; pass a function (program, num_params) -> stage of each "
@@ -488,6 +496,16 @@ def _check_arity(loss_fn: Callable[..., Any], with_key: bool) -> None:
                 "positional argument; give loss_fn a key parameter"
                 + (" that is positional (not after *)" if keyword_only else "")
                 + ", or call without key"
+            ) from None
+        try:
+            signature.bind("params")
+        except TypeError:
+            pass
+        else:
+            raise PartitionError(
+                f"loss_fn{signature} is called as loss_fn(params, microbatch), but it takes "
+                "no second positional argument; give it a batch parameter (the pipeline "
+                "splits the batch into microbatches)"
             ) from None
         raise PartitionError(
             f"loss_fn{signature} is called as loss_fn(params, microbatch), but it needs "

@@ -557,9 +557,12 @@ class Pipeline:
                         )
                     else:
                         s = "s" if len(ids) > 1 else ""
+                        inside = set(ids) <= {d.id for d in devices}
                         where = (
-                            f"committed to device{s} {ids}, not to the pipeline mesh's "
-                            f"{len(devices)} devices, so the jitted step cannot take it"
+                            f"committed to device{s} {ids}"
+                            + (" only" if inside else "")
+                            + f", not to the pipeline mesh's {len(devices)} devices, so the "
+                            "jitted step cannot take it"
                         )
                     raise PipelineError(f"{name} {where}; {fix}")
 

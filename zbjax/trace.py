@@ -378,6 +378,11 @@ class ActionTimes:
         its actions cost inside the step rather than alone (``pipeline(costs=...)``). A
         profile of a schedule that runs a stage's backward fused gives its BW, one that
         splits it its B and W: chain two profiles' ``costs`` for all three."""
+        if not isinstance(base, Costs):
+            raise PipelineError(
+                f"ActionTimes.costs takes the base Costs (pipe.measure_costs(params, batch)), "
+                f"not {type(base).__name__}"
+            )
         ran = {
             scope_kind_stage(scope): self.per_run(scope)
             for scope in self.runs
@@ -401,6 +406,8 @@ class ActionTimes:
     def action_seconds(self, device: int) -> float:
         """Returns the seconds per step ``device`` spent in actions (exchanges and the tick
         loop's own work left out)."""
+        if device not in self.seconds:
+            raise PipelineError(f"no device {device!r} in the trace; it holds {list(self.seconds)}")
         return sum(v for s, v in self.seconds[device].items() if s in self.runs)
 
     def table(self) -> str:

@@ -46,6 +46,7 @@ from zbjax.schedules.ir import (
     count,
     edge_pairs,
     placement_tuple,
+    real_number,
 )
 from zbjax.schedules.simulate import peak_memory, simulate
 from zbjax.schedules.validate import validate
@@ -430,6 +431,9 @@ def dag_zb(
     costs.per_stage(num_stages)
     if not 0.0 <= w_mem <= 1.0:
         raise ScheduleError(f"w_mem = {w_mem} must lie in [0, 1] (a fraction of M_B)")
+    seconds = None if search_time is None else real_number(search_time)
+    if search_time is not None and not (seconds is not None and seconds >= 0.0):
+        raise ScheduleError(f"search_time = {search_time!r} s; give a number of seconds >= 0")
     reference = dag_1f1b(edges, placement, m)
     limit = max(peak_memory(reference)) if mem_limit is None else float(mem_limit)
     if limit < 1.0:

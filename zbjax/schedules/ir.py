@@ -158,7 +158,8 @@ def edge_pairs(edges: object) -> tuple[tuple[int, int], ...]:
 
 def chain_edges(num_stages: int) -> tuple[tuple[int, int], ...]:
     """Returns the edges of the chain 0 -> 1 -> ... -> num_stages - 1."""
-    return tuple((s, s + 1) for s in range(num_stages - 1))
+    stages = count("chain_edges num_stages", num_stages)
+    return tuple((s, s + 1) for s in range(stages - 1))
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,11 @@ def check_schedule(value: object, where: str) -> None:
 
 def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
     """Returns per-device action lists from ``Schedule.to_text()`` output."""
+    if not isinstance(text, str):
+        raise ScheduleError(
+            f"parse_actions takes the text of Schedule.to_text(), not {type(text).__name__} "
+            f"{text!r}"
+        )
     rows = []
     for line in text.strip().splitlines():
         if not line.strip():

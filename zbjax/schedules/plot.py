@@ -102,8 +102,8 @@ def _grid_rows(schedule: Schedule, result: SimResult, unit: float) -> list[list[
 
 def output_path(path: str | Path, what: str, suffix: str, add_suffix: bool = False) -> Path:
     """Returns where a file ``path`` given for ``what`` is written (``suffix`` added when
-    ``add_suffix`` and the name has none, as matplotlib does for a PNG); raises ScheduleError
-    for an empty path or a directory."""
+    ``add_suffix`` and the name has none, as matplotlib does for a PNG), its folder made if
+    missing; raises ScheduleError for an empty path or a directory."""
     if not isinstance(path, str | Path) or not str(path):
         raise ScheduleError(f"{what} path {path!r} is not a file name; give e.g. 'out{suffix}'")
     path = Path(path)
@@ -112,6 +112,7 @@ def output_path(path: str | Path, what: str, suffix: str, add_suffix: bool = Fal
             f"{what} path {str(path)!r} is a directory; give a file name, e.g. "
             f"{str(path / ('schedule' + suffix))!r}"
         )
+    path.parent.mkdir(parents=True, exist_ok=True)
     return path.with_name(path.name + suffix) if add_suffix and not path.suffix else path
 
 

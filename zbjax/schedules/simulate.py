@@ -43,6 +43,14 @@ def dependencies(
     given); W(s, i) needs B(s, i). ``graph`` (from ``neighbours``) saves looking up the stage
     graph on every call.
     """
+    if graph is None:  # a user's call (the simulator passes the graph): check the inputs
+        check_schedule(schedule, "dependencies")
+        action = _action(action, "dependencies")
+        if action.stage >= schedule.num_stages or action.microbatch >= schedule.num_microbatches:
+            raise ScheduleError(
+                f"dependencies: action {action} is outside schedule {schedule.name!r} "
+                f"({schedule.num_stages} stages, {schedule.num_microbatches} microbatches)"
+            )
     s, i = action.stage, action.microbatch
     if action.kind == "F":
         preds = graph[0][s] if graph is not None else schedule.predecessors(s)
@@ -59,7 +67,23 @@ def dependencies(
 
 def memory_delta(action: Action, w_mem: float) -> float:
     """Returns the change in activation memory (M_B units) that ``action`` causes."""
+    if not isinstance(action, Action):
+        action = _action(action, "memory_delta")
+    if not 0.0 <= w_mem <= 1.0:  # NaN fails too
+        raise ScheduleError(f"memory_delta: w_mem = {w_mem!r}; it must be in [0, 1]")
     return {"F": 1.0, "B": -(1.0 - w_mem), "W": -w_mem, "BW": -1.0}[action.kind]
+
+
+def _action(value: object, where: str) -> Action:
+    """Returns ``value`` as an Action: an Action, or its text ("1B0": stage 1's B of
+    microbatch 0), else raises ScheduleError naming ``where``."""
+    if isinstance(value, Action):
+        return value
+    if isinstance(value, str):
+        return Action.parse(value)
+    raise ScheduleError(
+        f"{where} takes an Action (or its text, e.g. '1B0'), not {type(value).__name__} {value!r}"
+    )
 
 
 def peak_memory(schedule: Schedule) -> tuple[float, ...]:
