@@ -145,3 +145,10 @@ def test_keys_that_are_not_one_prng_key_are_refused_naming_the_fix():
         reference_value_and_grad(lambda p, b, k: jnp.mean(b @ p), params, batch, 2, key=3)
     assert microbatch_keys(jax.random.key(0), 3).shape == (3,)
     assert microbatch_keys(jax.random.PRNGKey(0), 3).shape == (3, 2)
+
+
+def test_split_names_a_text_leaf_as_not_an_array():
+    with pytest.raises(
+        PipelineError, match=r"batch leaf \['tag'\] is a str \('v1'\), not an array"
+    ):
+        split_microbatches({"x": jnp.ones((4, 2)), "tag": "v1"}, 2)

@@ -32,8 +32,13 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
     out = []
     for path, leaf in leaves_with_paths:
-        shape = tuple(jnp.shape(leaf))
         name = jax.tree_util.keystr(path) or "<batch>"
+        if isinstance(leaf, str | bytes):
+            raise PipelineError(
+                f"batch leaf {name} is a {type(leaf).__name__} ({leaf!r:.40}), not an array; "
+                "take it out of the batch (close over it in loss_fn), or make it an array"
+            )
+        shape = tuple(jnp.shape(leaf))
         if not shape:
             raise PipelineError(
                 f"batch leaf {name} is a scalar (shape ()), so it cannot be split into "

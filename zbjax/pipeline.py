@@ -423,8 +423,8 @@ class Pipeline:
         times into ``trace_dir`` (kept there; a temporary directory when None;
         ``traced_step_seconds`` is their mean, the basis of the per-step times the trace
         gives: one slow traced step raises both).
-        ``.table()`` prints it; ``.per_run("W s1")`` is the time one W of stage 1 took, to set
-        beside ``measure_costs``, which times each action alone.
+        ``.table()`` returns it as text to print; ``.per_run("W s1")`` is the time one W of
+        stage 1 took, to set beside ``measure_costs``, which times each action alone.
         """
         steps = _whole_number("steps", steps)
         if trace_dir is not None:
@@ -713,7 +713,9 @@ class Pipeline:
         return PartitionSpec(self.axis_name, self.tensor_axis)
 
     def unstage(self, staged: StagedParams) -> Any:
-        """Returns the user-layout params (or, for grads, use ``value_and_grad``) of ``staged``."""
+        """Returns ``staged`` (params, grads or updates in the staged layout) as a tree in the
+        user's layout: a tied leaf's first copy (its copies hold the same values), a leaf split
+        over devices by rows put back together."""
         if not isinstance(staged, StagedParams):
             raise PipelineError(
                 f"pipe.unstage takes staged params (a zbjax.StagedParams from pipe.stage), got "
@@ -1720,6 +1722,14 @@ def pipeline(
     param_specs: Any = None,
 ) -> Pipeline:
     """Returns a ``Pipeline`` whose ``value_and_grad`` runs ``loss_fn`` pipelined over a mesh axis.
+
+    ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)`` for calls given a ``key``)
+    returns the mean loss over its batch; the pipeline calls it on one microbatch at a time.
+    ``mesh`` (a ``jax.sharding.Mesh``, e.g. ``jax.make_mesh``) holds the devices; its axis
+    ``axis_name`` (default ``"pp"``) is the pipeline axis, other axes are data parallel (or the
+    ``param_specs`` tensor axis). ``num_microbatches`` (default 8) is how many microbatches
+    each batch is split into along axis 0; ``num_stages`` (default: one per pp device, two for
+    zb-v and interleaved-1f1b) how many stages an unmarked model is cut into.
 
     ``has_aux``: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floating arrays (metrics,
     say); ``value_and_grad`` then returns ``((loss, aux), grads)``, each aux leaf the mean of
