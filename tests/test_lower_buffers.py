@@ -463,3 +463,27 @@ def test_layouts_not_packed_for_their_floor_change_nothing_the_lowering_takes(
     assert every[3].sizes == arena.sizes and every[3].group_buffer == arena.group_buffer
     assert (every[3].offsets == arena.offsets).all()
     assert arena.sizes == low.arenas.sizes  # what the pipeline took
+
+
+@pytest.mark.parametrize("types", ["explicit", "mixed", "auto"])
+def test_a_jitted_step_compiles_once_for_the_arenas_it_returns(types):
+    # init_buffers spelled the arenas' sharding P("pp", "dp") where the step returns
+    # P("pp", "dp", None, None) on an all-Explicit mesh: jit compiled the step a second time.
+    E, A = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    axis_types = {"explicit": (E, E), "mixed": (E, A), "auto": (A, A)}[types]
+    mesh = jax.make_mesh((2, 2), ("pp", "dp"), axis_types=axis_types, devices=jax.devices()[:4])
+    params = mlp.init_params(jax.random.key(0), CFG)
+    batch = mlp.make_batch(jax.random.key(1), CFG, 16)
+    pipe = zbjax.pipeline(mlp.make_loss_fn(CFG), mesh=mesh, schedule="zb-h1", num_microbatches=2)
+    staged = pipe.stage(params, batch)
+
+    @jax.jit
+    def step(staged, buffers):
+        loss, _, buffers = pipe.value_and_grad(staged, batch, buffers=buffers)
+        return loss, buffers
+
+    buffers = pipe.init_buffers(staged, batch)
+    for _ in range(2):
+        loss, buffers = step(staged, buffers)
+    assert step._cache_size() == 1
+    np.testing.assert_allclose(loss, pipe.value_and_grad(params, batch)[0], rtol=1e-6)

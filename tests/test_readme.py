@@ -14,6 +14,7 @@ CHECK = """
 import json
 for _ in range(2):
     staged, state, loss, buffers = train_step(staged, state, batch, buffers)
+compiles = train_step._cache_size()  # the returned state and arenas are typed as given
 # The same two steps unpipelined, with optax's own clipping on the user-layout tree.
 ref_opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 ref_params, ref_state = params, ref_opt.init(params)
@@ -23,7 +24,8 @@ for _ in range(2):
     ref_params = optax.apply_updates(ref_params, updates)
 pairs = zip(jax.tree.leaves(pipe.unstage(staged)), jax.tree.leaves(ref_params), strict=True)
 diff = max(float(abs(a - b).max()) for a, b in pairs)
-print(json.dumps({"loss": float(loss), "ref_loss": float(ref_loss), "diff": diff}))
+result = {"loss": float(loss), "ref_loss": float(ref_loss), "diff": diff, "compiles": compiles}
+print(json.dumps(result))
 """
 
 
@@ -43,3 +45,4 @@ def test_readme_train_step_runs_and_matches_two_unpipelined_steps():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert abs(result["loss"] - result["ref_loss"]) <= 1e-5 * abs(result["ref_loss"])
     assert result["diff"] < 1e-5, result
+    assert result["compiles"] == 1, result  # the README says one compile

@@ -410,15 +410,32 @@ class Lowering:
             for rows, length in [self.arenas.shape(b, k)]
         )
 
+    def pool_shardings(self) -> list[NamedSharding]:
+        """Returns where each arena lies: each device's rows on it (over a tensor axis, each
+        device its parts), spelled with one entry per dimension. ``new_pools`` makes them so
+        and ``step`` returns them so: P("pp", "dp") and P("pp", "dp", None, None) are
+        different types to jit, which would compile a user's step again for the arenas it
+        returned."""
+        entries = list(self.pool_spec)
+        if self.layout.tensor_size > 1:
+            entries += [None, self.layout.tensor_axis]
+        explicit = all(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types)
+        out = []
+        for a in self.pool_avals():
+            spec = entries + [None] * (len(a.shape) - len(entries))
+            # A result's sharding has one entry per dimension where its type holds it (every
+            # mesh axis explicit); else JAX spells it without the trailing Nones.
+            if not explicit:
+                while spec and spec[-1] is None:
+                    spec.pop()
+            out.append(NamedSharding(self.mesh, PartitionSpec(*spec)))
+        return out
+
     def new_pools(self) -> list[jax.Array]:
         """Returns fresh arenas to pass to ``step`` (zeros, each device's rows on it)."""
-        spec = self.pool_spec
-        if self.layout.tensor_size > 1:
-            spec = PartitionSpec(*spec, None, self.layout.tensor_axis)
-        sharding = NamedSharding(self.mesh, spec)
         return [
             jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=sharding)()
-            for a in self.pool_avals()
+            for a, sharding in zip(self.pool_avals(), self.pool_shardings(), strict=True)
         ]
 
     def step(
