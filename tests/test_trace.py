@@ -153,10 +153,11 @@ def test_action_times_read_the_newest_trace_and_divide_by_steps(tmp_path):
     costs = zbjax.schedules.Costs(f=(1.0, 2.0), b=(3.0, 4.0), w=(5.0, 6.0), bw=(7.0, 8.0))
     assert [scope_cost(costs, s) for s in ("F s1", "B s0", "W s1", "BW s0")] == [2, 3, 6, 7]
     # Planning by the step's times: W s0's time per run (40 us over 2 steps, 2 runs a step)
-    # replaces the base's; the rest, never traced, keep theirs.
+    # replaces the base's, and the actions with no op in this step (F s0, B s0, B s1, W s1)
+    # took none; F s1, with ops but never traced, keeps the base's.
     replanned = times.costs(costs)
-    assert replanned.w == pytest.approx((10e-6, 6.0)) and replanned.f == (1.0, 2.0)
-    assert replanned.b == (3.0, 4.0) and replanned.bw == (7.0, 8.0)
+    assert replanned.w == pytest.approx((10e-6, 0.0)) and replanned.f == (0.0, 2.0)
+    assert replanned.b == (0.0, 0.0) and replanned.bw == (7.0, 8.0)
     assert times.costs(zbjax.schedules.Costs(comm=0.5)).bw is None  # b + w, as before
     assert times.costs(zbjax.schedules.Costs(comm=0.5)).comm == 0.5
     # A profile with stage 0 fused and stage 1 split: BW s0 is taken, and with no fused time

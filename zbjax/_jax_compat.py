@@ -290,6 +290,10 @@ _TRACING_SETTINGS = (
     "default_prng_impl",
     "threefry_partitionable",
     "softmax_custom_jvp",
+    "high_dynamic_range_gumbel",
+    "random_seed_offset",
+    "use_direct_linearize",
+    "explicit_x64_dtypes",
 )
 
 

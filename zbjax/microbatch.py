@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -197,7 +197,10 @@ def reference_value_and_grad(
                 extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
             value, grads = value_and_grad(params, block, *extra)
             if has_aux:
-                _check_aux_floating(value[1])
+                check_aux_leaves(
+                    (jax.tree_util.keystr(path), jnp.result_type(leaf), jnp.shape(leaf))
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(value[1])
+                )
             dtypes = jax.tree.map(jnp.result_type, (value, grads))
             # Summed in float32 where 16-bit: a float16 sum of m terms overflows where their
             # mean does not.
@@ -213,18 +216,18 @@ def reference_value_and_grad(
     return mean, grads
 
 
-def _check_aux_floating(aux: Any) -> None:
-    """Raises PipelineError naming an aux leaf that is not floating: its mean over the
-    microbatches, as the pipeline returns it, is not one of its dtype (an integer count's
-    mean truncated to 0, a bool's to an OR)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
-        dtype = jnp.result_type(leaf)
+def check_aux_leaves(
+    leaves: Iterable[tuple[str, Any, tuple[int, ...]]], error: type[Exception] = PipelineError
+) -> None:
+    """Raises ``error`` naming the first aux leaf, given as (key path, dtype, shape), that is
+    not floating: each aux leaf comes back as its mean over the microbatches, which is not
+    one of an integer or bool dtype (a count's mean truncated to 0, a flag's to an OR)."""
+    for path, dtype, shape in leaves:
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise PipelineError(
-                f"aux leaf {jax.tree_util.keystr(path) or '(the aux itself)'} is "
-                f"{dtype}{list(jnp.shape(leaf))}; each aux leaf comes back as its mean over the "
-                "microbatches, as the loss does, so return floating values (e.g. "
-                "jnp.mean(correct.astype(jnp.float32)))"
+            raise error(
+                f"aux leaf {path or '(the aux itself)'} is {dtype}{list(shape)}; each aux leaf "
+                "comes back as its mean over the microbatches, as the loss does, so return "
+                "floating values (e.g. jnp.mean(correct.astype(jnp.float32)))"
             )
 
 

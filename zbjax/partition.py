@@ -76,7 +76,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
-from zbjax.microbatch import check_key
+from zbjax.microbatch import check_aux_leaves, check_key
 from zbjax.schedules.ir import count as whole_count
 from zbjax.stages import Edge, Stage, StageGraph, has_cotangent, key_data_aval, keys_as_data
 
@@ -417,7 +417,10 @@ def _trace(
             "with metrics in aux and pass has_aux=True"
         )
     if has_aux:
-        _check_aux(aux[0][1], out_avals[1:])
+        check_aux_leaves(
+            ((path, a.dtype, a.shape) for path, a in zip(aux[0][1], out_avals[1:], strict=True)),
+            PartitionError,
+        )
     ordered = ordered_effect_names(closed.jaxpr)
     if ordered:
         raise PartitionError(
@@ -561,19 +564,6 @@ def caller_stacklevel() -> int:
     return 1
 
 
-def _check_aux(paths: Sequence[str], avals: Sequence[Any]) -> None:
-    """Raises a ``PartitionError`` naming the first aux leaf (by its key path) that is not
-    floating: the pipeline returns the mean of each aux leaf over the microbatches, as it does
-    the loss."""
-    for path, aval in zip(paths, avals, strict=True):
-        if not jnp.issubdtype(aval.dtype, jnp.floating):
-            raise PartitionError(
-                f"aux leaf {path or '(the aux itself)'} is {aval.dtype}{list(aval.shape)}; the "
-                "pipeline returns each aux leaf's mean over the microbatches, as it does the "
-                "loss, so return floating values (e.g. jnp.mean(correct.astype(jnp.float32)))"
-            )
-
-
 def _read(env: dict[Var, Any], atom: Any) -> Any:
     return atom.val if isinstance(atom, Literal) else env[atom]
 
@@ -696,7 +686,8 @@ def _eval_checkpoint_cut(
             return [local[v] for v in outs]
 
         if piece:
-            env.update(zip(outs, remat(run)(*(env[v] for v in ins)), strict=True))
+            with equation_source(eqn):  # each piece's checkpoint keeps the region's line
+                env.update(zip(outs, remat(run)(*(env[v] for v in ins)), strict=True))
         if hi < len(eqns):  # the marker, outside every checkpoint
             marker = eqns[hi]
             with marker.ctx.manager:

@@ -389,7 +389,7 @@ class Pipeline:
     ) -> jax.stages.Lowered:
         """Returns the jitted step's ``Lowered`` for these inputs: ``.compile()`` gives the
         step, called as ``compiled(params, batch)`` (``compiled(params, batch, key)`` when
-        lowered with a key), returning (loss, grads).
+        lowered with a key), returning what ``value_and_grad`` returns.
 
         With ``buffers``, the step that takes them (donated) as a fourth argument and returns
         (loss, grads, buffers), as ``value_and_grad(..., buffers=)`` runs it:

@@ -359,7 +359,8 @@ class ActionTimes:
     def per_run(self, scope: str, device: int | None = None) -> float:
         """Returns the seconds one run of action ``scope`` took, averaged over its runs (on
         ``device``, else on the first device that ran it); 0.0 for an action whose program
-        compiled to no op (a first stage's B, with no input gradient to compute)."""
+        compiled to no op (a first stage's B, with no input gradient to compute), whatever
+        ``device``: the trace does not say where such an action ran."""
         if scope not in self.runs:
             raise PipelineError(f"no action {scope!r}; the schedule runs {sorted(self.runs)}")
         if scope in self.empty:
@@ -383,10 +384,10 @@ class ActionTimes:
                 f"ActionTimes.costs takes the base Costs (pipe.measure_costs(params, batch)), "
                 f"not {type(base).__name__}"
             )
-        ran = {
+        ran = {  # actions with no op in the step ran too, in no time
             scope_kind_stage(scope): self.per_run(scope)
             for scope in self.runs
-            if any(scope in s for s in self.seconds.values())
+            if scope in self.empty or any(scope in s for s in self.seconds.values())
         }
         n = 1 + max(scope_kind_stage(scope)[1] for scope in self.runs)
         f, b, w = (list(t) for t in base.per_stage(n))
