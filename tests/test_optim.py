@@ -344,3 +344,44 @@ def test_per_leaf_on_bfloat16_params_rounds_once_as_optax_on_the_user_tree():
     for name in params:
         assert got[name].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+    # The float32 update rows unstage and measure as the updates they are (both refused
+    # them as rows "cast after pipe.stage"), so clipping can follow per_leaf in a chain.
+    unstaged = pipe.unstage(staged_updates)
+    for name in params:
+        assert unstaged[name].dtype == jnp.float32
+        np.testing.assert_allclose(unstaged[name], updates[name], rtol=1e-6)  # two programs
+    np.testing.assert_allclose(pipe.global_norm(staged_updates), optax.tree.norm(updates), 1e-6)
+    clipped = optax.chain(wrapped, pipe.clip_by_global_norm(1e-3))
+    out, _ = jax.jit(clipped.update)(pipe.stage(grads), clipped.init(staged), staged)
+    np.testing.assert_allclose(pipe.global_norm(out), 1e-3, rtol=1e-5)
+
+
+def test_per_leaf_packs_an_empty_leaf_that_shares_its_offset_with_another():
+    """A stacked leaf of size 0 split by rows beside a scanned weight, under zb-v (two stages
+    a device): its empty slot shares an offset with the next stage's weight, and packing
+    the updates went back to that offset, padding the row (a switch-branch shape error)."""
+
+    def loss_fn(p, b):
+        def body(h, w):
+            return jnp.tanh(h @ w[0]) + jnp.sum(w[1]), None
+
+        h, _ = jax.lax.scan(body, b["x"], (p["W"], p["empty"]))
+        return jnp.mean(h**2)
+
+    params = {
+        "W": 0.3 * jax.random.normal(jax.random.key(0), (8, 8, 8)),
+        "empty": jnp.zeros((8, 0)),
+    }
+    batch = {"x": jax.random.normal(jax.random.key(1), (8, 8))}
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-v", num_microbatches=2)
+    staged = pipe.stage(params, batch)
+    grads = pipe.value_and_grad(staged, batch)[1]
+    tx = pipe.per_leaf(optax.adam(1e-2))
+    updates, _ = tx.update(grads, tx.init(staged), staged)
+    ref = optax.adam(1e-2)
+    user_grads = jax.grad(loss_fn)(params, batch)
+    want, _ = ref.update(user_grads, ref.init(params), params)
+    got = pipe.unstage(updates)
+    np.testing.assert_allclose(got["W"], want["W"], rtol=1e-5, atol=1e-6)
+    assert got["empty"].shape == (8, 0)

@@ -165,7 +165,8 @@ def _pack(
         value = jnp.asarray(value).astype(dtype)
         part = jnp.ravel(value)[None] if tensor is None else to_blocks(tensor[0], [value], [split])
         parts.append(part)
-        fill = offset + part.shape[1]
+        # max: an empty value (a leaf of size 0) may share its offset with the one before it
+        fill = max(fill, offset + part.shape[1])
     if size > fill or not parts:
         parts.append(jnp.zeros((blocks, size - fill), dtype))
     return (jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]).reshape(-1)

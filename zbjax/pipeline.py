@@ -85,6 +85,7 @@ from zbjax.params import (
     stage_leaves,
     sum_of_squares,
     unstage_leaves,
+    wide_dtype,
 )
 from zbjax.partition import (
     caller_stacklevel,
@@ -722,7 +723,7 @@ class Pipeline:
                 f"a {type(staged).__name__}; params in your own layout need no unstaging"
             )
         built = self._require_built("pipe.unstage()")
-        self._check_staged(staged, built)
+        self._check_staged(staged, built, widened=True)
         leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
         return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
 
@@ -732,7 +733,9 @@ class Pipeline:
         In the staged layout a tied leaf is stored (and its gradient returned) once per device
         that reads it, and rows are padded, so ``optax.tree.norm`` of staged grads counts a
         tied leaf twice; this counts every element once and equals ``optax.tree.norm`` of
-        the user-layout tree (integer and bool leaves included, complex ones by modulus).
+        the user-layout tree (integer and bool leaves included, squared in float32 where
+        optax squares them in their own dtype, which wraps around for large values; complex
+        leaves by modulus).
         Works under ``jax.jit``.
         """
         # Staged values may sit inside a container ({"grads": grads}, (grads, aux)): each is
@@ -742,7 +745,7 @@ class Pipeline:
         for node in nodes:
             if isinstance(node, StagedParams):
                 built = self._require_built("pipe.global_norm() of staged values")
-                self._check_staged(node, built)
+                self._check_staged(node, built, widened=True)
                 squares.append(jnp.square(global_norm(built.lowering.layout, node)))
                 continue
             try:
@@ -943,7 +946,10 @@ class Pipeline:
         self._params_avals = avals
         return leaves
 
-    def _check_staged(self, staged: StagedParams, built: _Built) -> None:
+    def _check_staged(self, staged: StagedParams, built: _Built, widened: bool = False) -> None:
+        """Raises PipelineError unless ``staged`` holds rows of this pipeline's layout; with
+        ``widened``, rows of a 16-bit float dtype may hold float32 (the updates
+        ``per_leaf`` returns for them), as reading values out of rows allows."""
         layout = built.lowering.layout
         want = [(layout.num_devices, layout.row_width(k)) for k in range(len(layout.dtypes))]
         got = [tuple(np.shape(r)) for r in staged.rows]
@@ -958,7 +964,9 @@ class Pipeline:
         cast = [
             (dt, dtype_name(r.dtype))
             for dt, r in zip(staged.dtypes, staged.rows, strict=True)
-            if hasattr(r, "dtype") and dtype_name(r.dtype) != dt
+            if hasattr(r, "dtype")
+            and dtype_name(r.dtype) != dt
+            and not (widened and dtype_name(r.dtype) == dtype_name(wide_dtype(dt)))
         ]
         if cast:
             raise PipelineError(
