@@ -10,7 +10,6 @@ from zbjax.params import (
     StagedParams,
     extra_copies,
     global_norm,
-    pack_stage_gradients,
     shared_leaves,
     stage_leaves,
     staged_layout,
@@ -68,7 +67,7 @@ def test_gradient_of_a_tied_leaf_is_the_sum_of_its_copies():
     np.testing.assert_array_equal(grads[1], leaves()[1])
 
 
-def test_stage_unpacking_and_gradient_packing_use_the_stage_offsets():
+def test_stage_unpacking_uses_the_stage_offsets_and_rows_hold_no_second_large_block():
     layout = staged_layout(AVALS, STAGE_LEAVES, (0, 1, 1, 0), 2)
     staged = stage_leaves(layout, leaves())
     f32 = layout.dtypes.index("float32")
@@ -76,12 +75,15 @@ def test_stage_unpacking_and_gradient_packing_use_the_stage_offsets():
     w2, counter = unpack_stage_params(layout, 2, device1)
     np.testing.assert_array_equal(w2, leaves()[3])
     np.testing.assert_array_equal(counter, leaves()[4])
-    packed = pack_stage_gradients(layout, 2, [jnp.ones((4, 6)), jnp.zeros((), jnp.int32)])
-    assert packed[f32].shape == (layout.stage_capacity[f32],)
-    offset = layout.stage_offset[2][f32]
-    row = jnp.zeros(layout.row_size[f32]).at[offset : offset + packed[f32].size].add(packed[f32])
-    np.testing.assert_array_equal(row[offset : offset + 24], 1)
-    assert float(row.sum()) == 24
+    # A row is as long as its fullest device's: here device 1 holds w1, b1 (stage 1) and w2
+    # (stage 2): 44; device 0 the embedding (stage 0) and the unused leaf (stage 3): 43. Rows
+    # were padded so that every stage's block fit the largest block (the embedding's 40) from
+    # its offset: stage 3 from 40, so 80, nearly twice what any device holds.
+    balanced = staged_layout(AVALS, ((0,), (1, 2), (3, 4), (5,)), (0, 1, 1, 0), 2)
+    assert balanced.row_size[f32] == 44 and balanced.stage_capacity[f32] == 40
+    rows = stage_leaves(balanced, leaves())
+    for a, b in zip(unstage_leaves(balanced, rows), leaves(), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_staging_works_under_jit():

@@ -891,8 +891,10 @@ def scalar_loss(params, batch):
 
 
 def test_staged_params_of_another_pipelines_layout_are_refused():
-    """1f1b (two stages) and zb-v (four, two per device) stage one model into rows of the same
-    shapes but different leaves: one's rows passed to the other ran as other layers."""
+    """interleaved-1f1b and zb-v (four stages, two per device, placed 0 1 0 1 and 0 1 1 0)
+    stage one model into rows of the same shapes but different leaves: one's rows passed to
+    the other ran as other layers. (1f1b and zb-v made such a pair while a device's row was
+    padded to hold the largest stage from each of its stages' offsets.)"""
     rng = np.random.default_rng(5)
     params = [rng.normal(size=(8, 8)) * 0.3 for _ in range(4)]
     batch = {"x": rng.normal(size=(8, 8)), "y": rng.normal(size=(8, 8))}
@@ -905,7 +907,7 @@ def test_staged_params_of_another_pipelines_layout_are_refused():
 
     one, other = (
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=s, num_microbatches=2)
-        for s in ("1f1b", "zb-v")
+        for s in ("interleaved-1f1b", "zb-v")
     )
     staged, theirs = one.stage(params, batch), other.stage(params, batch)
     assert [r.shape for r in staged.rows] == [r.shape for r in theirs.rows]

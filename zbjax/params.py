@@ -72,8 +72,9 @@ class StagedLayout:
 
     ``stage_slots[s]`` lists stage ``s``'s leaves in ``param_leaves`` order with offsets in
     device ``placement[s]``'s row; ``stage_offset[s][k]`` is where stage ``s``'s block of dtype
-    ``dtypes[k]`` starts and ``stage_capacity[k]`` the largest such block over stages, so that
-    ``row_size[k] >= stage_offset[s][k] + stage_capacity[k]`` for every stage.
+    ``dtypes[k]`` starts and ``stage_capacity[k]`` the largest such block over stages.
+    ``row_size[k]`` is the fullest device's row: a device's stages' blocks lie one after
+    another, so one holding a large and a small stage (zb-v) needs no second large block.
     """
 
     dtypes: tuple[str, ...]
@@ -230,9 +231,6 @@ def staged_layout(
         for rows in _unread_rows(aval.shape[0] if aval.shape else 1, reads.get(leaf, []))
     ]
     row_size = [max(fill[d][k] for d in range(num_devices)) for k in range(len(dtypes))]
-    for s in range(len(stage_param_leaves)):
-        for k in range(len(dtypes)):
-            row_size[k] = max(row_size[k], stage_offset[s][k] + capacity[k])
     return StagedLayout(
         dtypes=dtypes,
         row_size=tuple(row_size),
@@ -697,23 +695,3 @@ def unpack_stage_params(
 ) -> list[jax.Array]:
     """Returns stage ``stage``'s param leaves (``param_leaves`` order) from its device's rows."""
     return read_slots(layout, local_rows, layout.stage_slots[stage])
-
-
-def pack_stage_gradients(
-    layout: StagedLayout, stage: int, grads: Sequence[jax.Array]
-) -> list[jax.Array]:
-    """Returns per dtype a ``stage_capacity``-long vector of stage ``stage``'s packed grads.
-
-    The vector belongs at ``stage_offset[stage]`` of the device's row.
-    """
-    pieces: list[list] = [[] for _ in layout.dtypes]
-    for slot, grad in zip(layout.stage_slots[stage], grads, strict=True):
-        k = layout.dtype_index(slot.dtype)
-        pieces[k].append(jnp.ravel(grad).astype(slot.dtype))
-    out = []
-    for k, dt in enumerate(layout.dtypes):
-        used = sum(int(p.size) for p in pieces[k])
-        pad = layout.stage_capacity[k] - used
-        parts = pieces[k] + ([jnp.zeros(pad, dt)] if pad else [])
-        out.append(jnp.concatenate(parts) if parts else jnp.zeros(0, dt))
-    return out
