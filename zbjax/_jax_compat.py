@@ -966,11 +966,9 @@ def on_device_memory(x: jax.Array) -> jax.Array:
     """Returns ``x`` in device memory: a value a ``jax.checkpoint`` offload policy put in host
     memory (``offload_dot_with_no_batch_dims``) is moved back, since the step's arenas are
     device arrays (``dynamic_update_slice`` refuses to mix memory spaces)."""
-    space = getattr(jax.typeof(x), "memory_space", None)
-    memory = getattr(jax, "memory", None)
-    if memory is None or space is None or space == memory.Space.Device:
+    if not in_host_memory(jax.typeof(x)):
         return x
-    return jax.device_put(x, memory.Space.Device)
+    return jax.device_put(x, jax.memory.Space.Device)
 
 
 def set_rows(x: jax.Array, start: int, value: jax.Array) -> jax.Array:

@@ -164,16 +164,8 @@ def reference_value_and_grad(
 
     def checked(*args: Any) -> Any:
         out = loss_fn(*args)
-        if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
-            got = (
-                f"a {out.dtype}{list(out.shape)} array"
-                if hasattr(out, "dtype") and hasattr(out, "shape")
-                else f"a {type(out).__name__}"
-            )
-            raise PipelineError(
-                f"with has_aux=True, loss_fn must return a pair (loss, aux); got {got}; "
-                "return (loss, aux), or pass has_aux=False"
-            )
+        if has_aux:
+            check_aux_pair(out)
         return out
 
     # Integer (and bool) leaves get zero gradients of their own dtype, as the pipeline gives.
@@ -214,6 +206,23 @@ def reference_value_and_grad(
         dtypes,
     )
     return mean, grads
+
+
+def check_aux_pair(out: Any, error: type[Exception] = PipelineError) -> None:
+    """Raises ``error`` unless ``out``, what a ``has_aux=True`` loss returned, is a pair
+    (loss, aux), as ``jax.value_and_grad(..., has_aux=True)`` needs."""
+    if isinstance(out, tuple | list) and len(out) == 2:
+        return
+    if hasattr(out, "dtype") and hasattr(out, "shape"):
+        got = f"a {out.dtype}{list(out.shape)} array"
+    else:
+        got = f"a {type(out).__name__}" + (
+            f" of {len(out)}" if isinstance(out, tuple | list) else ""
+        )
+    raise error(
+        f"with has_aux=True, loss_fn must return a pair (loss, aux); got {got}; "
+        "return (loss, aux), or pass has_aux=False"
+    )
 
 
 def check_aux_leaves(

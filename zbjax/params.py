@@ -676,8 +676,12 @@ def global_norm(layout: StagedLayout, staged: StagedParams) -> jax.Array:
     gradients leave zeros there, but an optimizer run on the rows may not (0 / 0 in
     ``optax.adam(eps=0)``, or in float16 Adam whose eps underflows, makes NaN there).
     """
-    total = sum(sum_of_squares(_counted_once(layout, k, row)) for k, row in enumerate(staged.rows))
-    return jnp.sqrt(total)
+    return jnp.sqrt(staged_sum_of_squares(layout, staged))
+
+
+def staged_sum_of_squares(layout: StagedLayout, staged: StagedParams) -> jax.Array:
+    """Returns the squared ``global_norm`` of ``staged``: each element's square counted once."""
+    return sum(sum_of_squares(_counted_once(layout, k, row)) for k, row in enumerate(staged.rows))
 
 
 def sum_of_squares(x: jax.Array, axis: int | None = None) -> jax.Array:

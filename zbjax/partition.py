@@ -76,7 +76,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
-from zbjax.microbatch import check_aux_leaves, check_key
+from zbjax.microbatch import check_aux_leaves, check_aux_pair, check_key
 from zbjax.schedules.ir import count as whole_count
 from zbjax.stages import Edge, Stage, StageGraph, has_cotangent, key_data_aval, keys_as_data
 
@@ -365,17 +365,7 @@ def _trace(
         if not has_aux:
             _check_loss_leaf(out, "loss_fn returns")
             return out
-        if not (isinstance(out, tuple | list) and len(out) == 2):
-            got = (
-                f"a {out.dtype}{list(out.shape)} array"
-                if isinstance(out, jax.Array)
-                else f"a {type(out).__name__}"
-                + (f" of {len(out)}" if isinstance(out, tuple | list) else "")
-            )
-            raise PartitionError(
-                f"with has_aux=True, loss_fn must return a pair (loss, aux); got {got}; "
-                "return (loss, aux), or pass has_aux=False"
-            )
+        check_aux_pair(out, PartitionError)
         _check_loss_leaf(out[0], "the loss in loss_fn's (loss, aux) is")
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(out[1])
         for path, leaf in with_paths:

@@ -81,8 +81,8 @@ from zbjax.optim import per_leaf
 from zbjax.params import (
     StagedParams,
     dtype_name,
-    global_norm,
     stage_leaves,
+    staged_sum_of_squares,
     sum_of_squares,
     unstage_leaves,
     wide_dtype,
@@ -746,7 +746,7 @@ class Pipeline:
             if isinstance(node, StagedParams):
                 built = self._require_built("pipe.global_norm() of staged values")
                 self._check_staged(node, built, widened=True)
-                squares.append(jnp.square(global_norm(built.lowering.layout, node)))
+                squares.append(staged_sum_of_squares(built.lowering.layout, node))
                 continue
             try:
                 x = jnp.asarray(node)
