@@ -406,6 +406,28 @@ def test_auto_cut_splits_a_reverse_scan_and_keeps_its_stacked_outputs_in_order()
     )
 
 
+def test_stacked_outputs_of_a_cut_scan_that_nothing_reads_are_not_sent_between_stages():
+    """A scan's ys that the loss discards (per-layer states kept for a probe, say) are dropped
+    by JAX's DCE rules before the cut; they were sent, chunk by chunk, to the last stage."""
+
+    def make(keep_ys):
+        def loss_fn(params, x):
+            body = lambda h, w: (jnp.tanh(h @ w), h if keep_ys else None)  # noqa: E731
+            h, _unused = jax.lax.scan(body, x, params)
+            return jnp.mean(h**2)
+
+        return loss_fn
+
+    params = jax.random.normal(jax.random.key(0), (6, 4, 4)) / 2
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    plain, with_ys = (partition(make(k), params, x, num_stages=3) for k in (False, True))
+    assert [e.values for e in with_ys.edges] == [e.values for e in plain.edges]
+    assert [(e.src, e.dst) for e in with_ys.edges] == [(0, 1), (1, 2)]
+    np.testing.assert_allclose(
+        run_stages(with_ys, params, x), make(True)(params, x), rtol=RTOL, atol=ATOL
+    )
+
+
 def test_a_jitted_loss_is_inlined_so_it_can_be_cut():
     @jax.jit
     def loss_fn(w, x):

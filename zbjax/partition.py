@@ -64,6 +64,7 @@ from zbjax._jax_compat import (
     REMAT_PRIMITIVES,
     bind_equation,
     closes_over_tracers,
+    dce_closed_jaxpr,
     equation_source,
     new_var,
     no_mesh_context,
@@ -421,7 +422,7 @@ def _trace(
         )
     with no_mesh_context():
         flat = _inline_calls(closed)
-    live = _dce(flat.jaxpr)
+    live = dce_closed_jaxpr(flat, [True] * len(flat.jaxpr.outvars)).jaxpr
     _warn_unused_markers(_marker_lines(closed.jaxpr), _marker_lines(live))
     return _Program(live, tuple(flat.consts), num_params, aux[0][0] if has_aux else None)
 
@@ -684,19 +685,6 @@ def _eval_checkpoint_cut(
                 values = bind_equation(marker, [_read(env, a) for a in marker.invars])
             env.update(zip(marker.outvars, values, strict=True))
     return [_read(env, a) for a in jaxpr.outvars]
-
-
-def _dce(jaxpr: Jaxpr) -> Jaxpr:
-    """Returns ``jaxpr`` without the equations whose outputs nothing reads and that have no
-    effects (a ``jax.debug.print`` reads values and returns nothing, so it is kept)."""
-    live = {v for v in jaxpr.outvars if isinstance(v, Var)}
-    kept = []
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in live for v in eqn.outvars):
-            kept.append(eqn)
-            live.update(v for v in eqn.invars if isinstance(v, Var))
-    kept.reverse()
-    return jaxpr.replace(eqns=kept, effects=frozenset().union(*(e.effects for e in kept)))
 
 
 # ----------------------------------------------------------------------------- stages
