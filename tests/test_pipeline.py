@@ -680,6 +680,22 @@ def test_prebuilt_schedule_for_other_device_count_is_rejected(mlp_setup):
         zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=8)
 
 
+def test_a_prebuilt_schedule_for_another_stage_count_names_the_partitions_own_fix(mlp_setup):
+    """For a model cut by markers the fix was "pass num_stages=2", which the pipeline then
+    refused (markers decide the count)."""
+    loss_fn, params, batch, _ = mlp_setup
+    schedule = zbjax.schedules.build("1f1b", 2, 2)
+    marked = mlp.make_loss_fn(dataclasses.replace(MLP_CFG, stage_boundaries=(1, 2)))
+    pipe = zbjax.pipeline(marked, mesh=pp_mesh(2), schedule=schedule, num_microbatches=2)
+    with pytest.raises(zbjax.ScheduleError, match="markers make 3; .*or place 1 stage_boundary m"):
+        pipe.value_and_grad(params, batch)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=2, num_stages=3
+    )
+    with pytest.raises(zbjax.ScheduleError, match="cut into 3; .*or pass num_stages=2 to"):
+        pipe.value_and_grad(params, batch)
+
+
 def test_a_prebuilt_schedule_that_would_not_run_as_given_is_refused_when_built(mlp_setup):
     """A hand-built Schedule was checked for its counts only: one missing a microbatch ran
     and returned the mean over the others, one naming microbatch 7 of 4 counted one twice,
@@ -1206,6 +1222,60 @@ def test_an_ordered_debug_print_is_rejected_naming_ordered_false(mlp_setup):
 
     pipe = zbjax.pipeline(printing, mesh=pp_mesh(2), num_microbatches=2)
     with pytest.raises(zbjax.PartitionError, match="ordered effects.*pass ordered=False"):
+        pipe.value_and_grad(params, batch)
+
+
+def _logging_layer(log):
+    """A tanh layer whose custom_vjp backward logs its cotangent (gradient logging)."""
+
+    @jax.custom_vjp
+    def layer(h, w):
+        return jnp.tanh(h @ w)
+
+    def fwd(h, w):
+        y = jnp.tanh(h @ w)
+        return y, (h, w, y)
+
+    def bwd(res, g):
+        h, w, y = res
+        log(jnp.sum(g))
+        gy = g * (1 - y**2)
+        return gy @ w.T, h.T @ gy
+
+    layer.defvjp(fwd, bwd)
+    return layer
+
+
+def test_callbacks_in_a_backward_inside_a_scan_run_under_the_split():
+    """The B/W split dropped an effect of a scan body's backward (in neither part's body)."""
+    calls: list = []
+    layer = _logging_layer(lambda v: jax.debug.callback(lambda s: calls.append(float(s)), v))
+
+    def loss_fn(params, batch):
+        h = zbjax.stage_boundary(jnp.tanh(batch["x"] @ params["w1"]))
+        h, _ = jax.lax.scan(lambda c, w: (layer(c, w), None), h, params["stack"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(4, 8)), "stack": rng.normal(size=(3, 8, 8)) / 3}
+    batch = {"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 8))}
+    for schedule in ("1f1b", "zb-h1"):
+        calls.clear()
+        pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=2)
+        jax.block_until_ready(pipe.value_and_grad(params, batch))
+        assert len(calls) == 3 * 2, (schedule, calls)
+
+
+def test_an_ordered_print_in_a_custom_vjp_backward_is_rejected_naming_ordered_false():
+    layer = _logging_layer(lambda v: jax.debug.print("g {}", v, ordered=True))
+
+    def loss_fn(params, batch):
+        h = zbjax.stage_boundary(jnp.tanh(batch["x"] @ params["w1"]))
+        return jnp.mean((layer(h, params["w2"]) - batch["y"]) ** 2)
+
+    params, batch = two_layer_case(1)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2)
+    with pytest.raises(zbjax.PartitionError, match="backward of stage 1.*pass ordered=False"):
         pipe.value_and_grad(params, batch)
 
 

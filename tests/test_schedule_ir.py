@@ -135,6 +135,15 @@ def test_text_form_is_one_line_per_device_and_parses_back():
         (Action("F", 0, 0), Action("B", 0, 0)),
         (Action("F", 1, 0),),
     )
+    # Labels name the device (lines in any order); the "d2" of two lines was read as device 1.
+    assert parse_actions("d1: 0F0\nd0: 1F0") == ((Action("F", 1, 0),), (Action("F", 0, 0),))
+    for text, problem in (
+        ("d0: 0F0\nd2: 1F0", r"\['d0', 'd2'\] do not name devices d0..d1"),
+        ("d0: 0F0\n1F0", r"\['d0', '\?'\] do not name"),
+        ("x: 0F0", "starts with 'x:', not a device label"),
+    ):
+        with pytest.raises(ScheduleError, match=problem):
+            parse_actions(text)
 
 
 def test_with_actions_keeps_everything_but_the_actions():

@@ -412,19 +412,25 @@ def _trace(
             ((path, a.dtype, a.shape) for path, a in zip(aux[0][1], out_avals[1:], strict=True)),
             PartitionError,
         )
-    ordered = ordered_effect_names(closed.jaxpr)
-    if ordered:
-        raise PartitionError(
-            f"loss_fn has ordered effects ({', '.join(ordered)}): jax.debug.print(..., "
-            "ordered=True) or io_callback(..., ordered=True), which JAX runs on one device "
-            "only, while a pipelined step runs on every device of the pipeline axis; pass "
-            "ordered=False (a pipelined print then comes from each device and microbatch)"
-        )
+    refuse_ordered_effects(closed.jaxpr, "loss_fn")
     with no_mesh_context():
         flat = _inline_calls(closed)
     live = dce_closed_jaxpr(flat, [True] * len(flat.jaxpr.outvars)).jaxpr
     _warn_unused_markers(_marker_lines(closed.jaxpr), _marker_lines(live))
     return _Program(live, tuple(flat.consts), num_params, aux[0][0] if has_aux else None)
+
+
+def refuse_ordered_effects(jaxpr: Jaxpr, what: str) -> None:
+    """Raises PartitionError when ``jaxpr`` (``what``: the loss, or a stage's backward, where a
+    custom_vjp rule's bwd is traced) has ordered effects, which JAX runs on one device only."""
+    ordered = ordered_effect_names(jaxpr)
+    if ordered:
+        raise PartitionError(
+            f"{what} has ordered effects ({', '.join(ordered)}): jax.debug.print(..., "
+            "ordered=True) or io_callback(..., ordered=True), which JAX runs on one device "
+            "only, while a pipelined step runs on every device of the pipeline axis; pass "
+            "ordered=False (a pipelined print then comes from each device and microbatch)"
+        )
 
 
 def _check_loss_leaf(out: Any, what: str) -> None:

@@ -1453,10 +1453,12 @@ class Pipeline:
                 w_mem=self.w_mem,
                 **options,
             )
-        self._check_schedule(schedule, graph)
+        self._check_schedule(schedule, graph, kind)
         return schedule
 
-    def _check_schedule(self, schedule: Schedule, graph: StageGraph | None = None) -> None:
+    def _check_schedule(
+        self, schedule: Schedule, graph: StageGraph | None = None, kind: str = "chain"
+    ) -> None:
         if schedule.num_devices != self.num_devices:
             per_device = schedule.num_stages // max(schedule.num_devices, 1)
             raise ScheduleError(
@@ -1478,10 +1480,28 @@ class Pipeline:
                 f"the schedule for {self.num_microbatches}"
             )
         if graph is not None and schedule.num_stages != graph.num_stages:
+            # Only a cut by cost takes a stage count; markers (and GraphPipe) decide their own.
+            markers = schedule.num_stages - 1
+            made, other = {
+                "markers": (
+                    "the model's stage_boundary markers make",
+                    f"or place {markers} stage_boundary marker{'s' * (markers != 1)}",
+                ),
+                "graph": (
+                    "partitioner='graph' cut the model into",
+                    f"or use partitioner='chain' with num_stages={schedule.num_stages}",
+                ),
+            }.get(
+                kind,
+                (
+                    "the model was cut into",
+                    f"or pass num_stages={schedule.num_stages} to zbjax.pipeline",
+                ),
+            )
             raise ScheduleError(
-                f"schedule {schedule.name!r} has {schedule.num_stages} stages but the model "
-                f"was partitioned into {graph.num_stages}; build the schedule with "
-                f"num_stages={graph.num_stages} or pass num_stages={schedule.num_stages}"
+                f"schedule {schedule.name!r} has {schedule.num_stages} stages but {made} "
+                f"{graph.num_stages}; build the schedule with num_stages={graph.num_stages} "
+                f"{other}"
             )
         if graph is not None:
             # The schedule orders actions by its own edges: each of the model's must be among

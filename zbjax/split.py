@@ -62,6 +62,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.cost_model import avals_bytes, jaxpr_cost, matmul_flops
 from zbjax.errors import PartitionError
+from zbjax.partition import refuse_ordered_effects
 from zbjax.stages import Stage, StageGraph, StageProgram, has_cotangent, keys_as_data
 
 
@@ -388,6 +389,9 @@ def _forward_and_backward(stage: Stage, roles: _Roles) -> tuple[ClosedJaxpr, Clo
 
     backward_full = jax.make_jaxpr(backward)(
         [_sds(a) for a in unique_avals], [_sds(a) for a in ct_avals]
+    )
+    refuse_ordered_effects(
+        backward_full.jaxpr, f"the backward of stage {stage.index} (a custom_vjp rule's bwd)"
     )
     forward_unique = make_closed_jaxpr(
         forward_full.jaxpr.invars,
@@ -723,7 +727,9 @@ def _split_scan(eqn: Any, b_needed: set, w_wants: set) -> list | None:
     kb = {i for i in range(nk) if o_kf[i] in b_needed}
     yb = {j for j in range(len(y_out)) if o_ys[j] in b_needed}
     while True:
-        live_b, need_b = _live(bj.eqns, [k_out[i] for i in kb] + [y_out[j] for j in yb])
+        live_b, need_b = _live(
+            bj.eqns, [k_out[i] for i in kb] + [y_out[j] for j in yb], keep_effects=True
+        )
         grown = kb | {i for i in range(nk) if k_in[i] in need_b}
         if grown == kb:
             break

@@ -320,7 +320,8 @@ def zb_v(
     w_mem: float = 0.5,
     mem_limit: float | None = None,
 ) -> Schedule:
-    """Returns ZB-V: two stages per device in a V, B before F before W whenever ready.
+    """Returns ZB-V: two stages per device in a V; a device runs its second stage before its
+    first, F before B within a stage, and W whenever nothing else is ready.
 
     Memory is counted per stage (one stage is half a device's model), so the default limit
     of 2p stage units equals the paper's p M_B; ``mem_limit`` lowers it.

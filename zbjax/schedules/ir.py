@@ -313,19 +313,40 @@ def check_schedule(value: object, where: str) -> None:
 
 
 def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
-    """Returns per-device action lists from ``Schedule.to_text()`` output."""
+    """Returns per-device action lists from ``Schedule.to_text()`` output.
+
+    A line ``"d2: ..."`` holds device 2's actions (lines may come in any order; the labels
+    must name devices 0..n-1 once each); lines without labels are devices 0, 1, ... in order.
+    """
     if not isinstance(text, str):
         raise ScheduleError(
             f"parse_actions takes the text of Schedule.to_text(), not {type(text).__name__} "
             f"{text!r}"
         )
-    rows = []
-    for line in text.strip().splitlines():
-        if not line.strip():
-            continue
-        _, _, body = line.partition(":") if ":" in line else ("", "", line)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    labels, rows = [], []
+    for line in lines:
+        label, colon, body = line.partition(":")
+        if not colon:
+            label, body = "", line
+        label = label.strip()
+        if colon and not (label[:1] == "d" and label[1:].isdigit()):
+            raise ScheduleError(
+                f"parse_actions: line {line!r} starts with {label + ':'!r}, not a device "
+                "label like 'd0:'; write 'd<device>: <actions>' (as Schedule.to_text() does) "
+                "or the actions alone"
+            )
+        labels.append(int(label[1:]) if colon else None)
         rows.append(tuple(Action.parse(tok) for tok in body.split()))
-    return tuple(rows)
+    if all(k is None for k in labels):
+        return tuple(rows)
+    if sorted(k for k in labels if k is not None) != list(range(len(rows))):
+        raise ScheduleError(
+            f"parse_actions: the device labels {['?' if k is None else f'd{k}' for k in labels]} "
+            f"do not name devices d0..d{len(rows) - 1} once each; label every line, one line "
+            "per device"
+        )
+    return tuple(row for _, row in sorted(zip(labels, rows, strict=True)))
 
 
 def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> tuple[float, ...]:
