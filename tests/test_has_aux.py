@@ -165,6 +165,35 @@ def test_aux_computed_in_the_first_stage_is_carried_to_the_last():
     assert [v.shape for e in to_loss for v in e.values] == [(), ()]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_aux_metric_with_an_infinite_derivative_leaves_the_grads_finite(schedule):
+    """JAX differentiates no aux. A metric sent from stage 0 to the loss stage was flagged
+    differentiable: its zero cotangent times the derivative of a norm at 0 (a zero-initialised
+    residual branch's) made every stage-0 gradient NaN."""
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w_in": jax.random.normal(k[0], (8, 8)) / 3,
+        "w_out": jnp.zeros((8, 8)),
+        "head": jax.random.normal(k[1], (8, 8)) / 3,
+    }
+    batch = {"x": jax.random.normal(k[2], (8, 8)), "y": jax.random.normal(k[3], (8, 8))}
+
+    def loss_fn(p, b):
+        branch = jnp.tanh(b["x"] @ p["w_in"]) @ p["w_out"]
+        metrics = {"branch_norm": jnp.linalg.norm(branch), "log": jnp.log(0 * branch[0, 0])}
+        h = zbjax.stage_boundary(b["x"] + branch)
+        return jnp.mean((jnp.tanh(h @ p["head"]) - b["y"]) ** 2), metrics
+
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(2), schedule=schedule, num_microbatches=2, has_aux=True
+    )
+    result = pipe.value_and_grad(params, batch)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(result[1]))
+    assert_matches(result, reference_value_and_grad(loss_fn, params, batch, 2, has_aux=True))
+    # The metrics' edge carries no cotangent back to stage 0.
+    assert pipe.graph.stages[0].output_differentiable.count(True) == 1
+
+
 def test_a_loss_written_for_its_microbatch_shape_runs_with_aux():
     """The check that refuses per-example aux traces loss_fn on the whole batch too; a loss
     written for its microbatch's shape (a fixed reshape) failed there with its own TypeError,

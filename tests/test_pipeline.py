@@ -243,6 +243,32 @@ def test_global_norm_and_clipping_of_staged_grads_equal_optax_on_the_user_tree(m
     assert_close((0.0, got), (0.0, optax.apply_updates(params, want)))
 
 
+def test_clipping_float16_grads_above_float16s_range_and_under_strict_promotion():
+    """The norm (summed in float32) was cast to float16 to scale by: a norm above 65504 was
+    inf and every update 0. Under jax_numpy_dtype_promotion="strict" global_norm raised
+    JAX's TypePromotionError (optax's own does for mixed dtypes; one dtype it takes)."""
+
+    def loss_fn(p, b):
+        h = zbjax.stage_boundary(jnp.tanh(b["x"] @ p["w0"]))
+        return jnp.mean((jnp.tanh(h @ p["w1"]) - b["y"]) ** 2)
+
+    params = {k: jnp.full((32, 32), 0.01, jnp.float16) for k in ("w0", "w1")}
+    batch = {"x": jnp.ones((8, 32), jnp.float16), "y": jnp.zeros((8, 32), jnp.float16)}
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2)
+    staged = pipe.stage(params, batch)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 2000.0, jnp.float16), params)
+    norm = 2000.0 * np.sqrt(2 * 32 * 32)  # 90,510
+    tx = pipe.clip_by_global_norm(1.0)
+    with jax.set_mesh(pp_mesh(2)):
+        updates, _ = jax.jit(tx.update)(pipe.stage(grads, batch), tx.init(staged))
+    for u in jax.tree.leaves(pipe.unstage(updates)):
+        np.testing.assert_allclose(np.asarray(u, np.float32), 2000.0 / norm, rtol=1e-3)
+    with jax.numpy_dtype_promotion("strict"):
+        np.testing.assert_allclose(float(pipe.global_norm(grads)), norm, rtol=1e-3)
+        ints = {**grads, "step": jnp.int32(3)}  # counted, as optax counts integer leaves
+        np.testing.assert_allclose(float(pipe.global_norm(ints)), np.hypot(norm, 3), rtol=1e-3)
+
+
 def test_value_and_grad_works_inside_a_users_jit():
     loss_fn = mlp.make_loss_fn(MLP_CFG)
     params = mlp.init_params(jax.random.key(0), MLP_CFG)

@@ -688,7 +688,9 @@ def sum_of_squares(x: jax.Array, axis: int | None = None) -> jax.Array:
     """Returns the sum of ``|x|^2`` (along ``axis``, else all of it), as ``optax.tree.norm``
     squares: 16-bit floats summed in float32, float64 (x64) in float64, complex values by
     their modulus, integers and bools (0 or 1) in float32."""
-    x = x.astype(jnp.result_type(jnp.float32, x.dtype))
+    # Spelled out rather than promoted: jax_numpy_dtype_promotion="strict" refuses promotion.
+    wide = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.dtype(jnp.float32)
+    x = x.astype(wide_dtype(wide))
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         return jnp.sum(jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x)), axis=axis)
     return jnp.sum(jnp.square(x), axis=axis)

@@ -827,6 +827,17 @@ def _build_graph(
     computed = [{v for e in stage_eqns[s] for v in e.outvars} for s in range(count)]
     loss, aux = jaxpr.outvars[0], list(jaxpr.outvars[1:])
     reads[count - 1].extend([loss, *aux])
+    # Values the loss reads (transitively): only these carry cotangents between stages. One
+    # that reaches aux alone gets none, as JAX differentiates no aux (it got a zero, which a
+    # backward with an infinite derivative there, a norm at 0, turned into NaN).
+    to_loss = {loss} if isinstance(loss, Var) else set()
+    for eqn in reversed(eqns):
+        if any(v in to_loss for v in eqn.outvars):
+            to_loss.update(a for a in eqn.invars if isinstance(a, Var))
+
+    def differentiable(v: Var) -> bool:
+        return has_cotangent(v.aval.dtype) and v in to_loss
+
     params_read: list[list[int]] = []
     batch_read: list[list[int]] = []
     received: dict[tuple[int, int], list[Var]] = {}
@@ -871,12 +882,12 @@ def _build_graph(
                 batch_leaves=tuple(batch_read[s]),
                 in_edges=in_edges,
                 out_edges=out_edges,
-                input_differentiable=tuple(has_cotangent(v.aval.dtype) for v in inputs),
+                input_differentiable=tuple(differentiable(v) for v in inputs),
                 # The loss stage differentiates the loss alone, not its aux outputs.
                 output_differentiable=(
                     (True,) + (False,) * len(aux)
                     if s == count - 1
-                    else tuple(has_cotangent(a.aval.dtype) for a in outputs)
+                    else tuple(differentiable(v) for v in outputs)
                 ),
                 cost=cost_model.jaxpr_cost(closed),
             )

@@ -776,13 +776,18 @@ class Pipeline:
         def update(updates, state, params=None):
             del params
             norm = self.global_norm(updates)
-            under = norm < max_norm
+            limit = jnp.asarray(max_norm).astype(norm.dtype)
+            under = norm < limit
 
             def clip(u):  # as optax: unchanged under the limit, else scaled to norm max_norm
                 u = jnp.asarray(u)
                 if not jnp.issubdtype(u.dtype, jnp.inexact):
                     return u
-                return jax.lax.select(under, u, (u / norm.astype(u.dtype)) * max_norm)
+                # A 16-bit update is scaled in float32: a norm above its largest finite value
+                # (65504 for float16) cast to it was inf, and every update 0.
+                wide = wide_dtype(u.dtype)
+                scaled = (u.astype(wide) / norm.astype(wide)) * limit.astype(wide)
+                return jax.lax.select(under, u, scaled.astype(u.dtype))
 
             return jax.tree.map(clip, updates), state
 
