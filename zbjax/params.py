@@ -336,7 +336,14 @@ def _join_parts(layout: StagedLayout, slot: LeafSlot, parts: Sequence[jax.Array]
     split = layout.split_of(slot)
     if split is None or len(parts) == 1:
         return parts[0]
-    return jnp.concatenate(parts, axis=split)
+    return _concatenate(parts, axis=split)
+
+
+def _concatenate(parts: Sequence[Any], axis: int = 0) -> Any:
+    """Returns ``parts`` joined along ``axis``: in NumPy when they are host values."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=axis)
+    return jnp.concatenate(parts, axis=axis)
 
 
 def stage_leaves(layout: StagedLayout, leaves: Sequence[jax.Array]) -> StagedParams:
@@ -379,7 +386,9 @@ def _slot_value(rows: Sequence[jax.Array], layout: StagedLayout, device: int, sl
     return _join_parts(layout, slot, parts)
 
 
-def _slice(row: jax.Array, slot: LeafSlot) -> jax.Array:
+def _slice(row: jax.Array | np.ndarray, slot: LeafSlot) -> jax.Array | np.ndarray:
+    if isinstance(row, np.ndarray):
+        return row[slot.offset : slot.offset + slot.size]
     # lax.slice: indexing an array typed on a mesh to an empty result (a leaf of size 0)
     # fails in JAX outside a mesh context.
     return jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size)
@@ -458,14 +467,15 @@ def _first_copies(copies: Sequence[tuple[int, LeafSlot]]) -> list[tuple[int, Lea
 
 def unstage_leaves(layout: StagedLayout, staged: StagedParams) -> list[jax.Array]:
     """Returns the flat param leaves stored in ``staged`` (the first copy of a tied leaf; a
-    leaf stored in row ranges is put together from them, first copy of every row)."""
+    leaf stored in row ranges is put together from them, first copy of every row). Rows given
+    as NumPy arrays give NumPy leaves (no compile per slice)."""
     out: list = []
     for copies in _copies_by_leaf(layout):
         pieces = []
         for device, slot, skip in _first_copies(copies):
             value = _slot_value(staged.rows, layout, device, slot)
             pieces.append(value[skip:] if skip else value)
-        out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        out.append(_concatenate(pieces) if len(pieces) > 1 else pieces[0])
     return out
 
 
