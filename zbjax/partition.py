@@ -1042,6 +1042,19 @@ _KEPT_WHOLE = {
     "custom_jvp_call": "a jax.custom_jvp function",
     "custom_vjp_call": "a jax.custom_vjp function",
     "custom_vjp_call_jaxpr": "a jax.custom_vjp function",
+    "cond": "a lax.cond (lax.switch)",
+    "while": "a lax.while_loop",
+}
+
+# How to let the cut split what it keeps whole, by primitive (else: wrap each layer).
+_WHOLE_FIX = {
+    "scan": "use partitioner='chain', which splits a scan's iterations between stages",
+    "cond": "compute the layers outside the cond (run both and select the result with "
+    "jnp.where, or branch per layer), or put the cond in a stage of its own with "
+    "zbjax.stage_boundary markers before and after it",
+    "while": "write the loop as lax.scan or a lax.fori_loop with static bounds, whose "
+    "iterations the cut splits between stages (a while_loop's trip count is unknown, and the "
+    "cost model counts its body once)",
 }
 
 
@@ -1061,11 +1074,10 @@ def warn_whole_regions(
         if what is None or cost <= 2 * total / count:
             continue
         line = user_line(eqn)
-        fix = (
-            "use partitioner='chain', which splits a scan's iterations between stages"
-            if name == "scan"
-            else "wrap each layer rather than the whole model, or place "
-            "zbjax.stage_boundary markers inside it"
+        fix = _WHOLE_FIX.get(
+            name,
+            "wrap each layer rather than the whole model, or place zbjax.stage_boundary "
+            "markers inside it",
         )
         warnings.warn(
             f"{'GraphPipe' if graph else 'the automatic cut'} keeps {what}"
