@@ -152,3 +152,29 @@ def test_split_names_a_text_leaf_as_not_an_array():
         PipelineError, match=r"batch leaf \['tag'\] is a str \('v1'\), not an array"
     ):
         split_microbatches({"x": jnp.ones((4, 2)), "tag": "v1"}, 2)
+
+
+def test_the_reference_seeds_as_the_pipeline_so_a_loss_scaled_float16_model_stays_finite():
+    """Seeded with 1 per microbatch, the reference's float16 cotangents were m times the
+    pipeline's (seeded 2^-k) and overflowed where the pipeline and the whole batch do not."""
+    k = jax.random.split(jax.random.key(0), 6)
+    params = [(jax.random.normal(k[i], (16, 16)) / 4).astype(jnp.float16) for i in range(4)]
+    batch = {
+        "x": jax.random.normal(k[4], (16, 16)).astype(jnp.float16),
+        "y": (jax.random.normal(k[5], (16, 16)) * 100).astype(jnp.float16),
+    }
+
+    def loss_fn(p, b):
+        x = b["x"]
+        for w in p:
+            x = jnp.tanh(x @ w)
+        return jnp.mean((x - b["y"]) ** 2) * jnp.float16(8192)  # a static loss scale
+
+    _, whole = jax.value_and_grad(loss_fn)(params, batch)
+    _, grads = reference_value_and_grad(loss_fn, params, batch, 4)
+    for g, w in zip(grads, whole, strict=True):
+        assert bool(jnp.all(jnp.isfinite(g)))
+        w = w.astype(np.float32)
+        np.testing.assert_allclose(g.astype(np.float32), w, atol=0.01 * np.abs(w).max())
+    with pytest.raises(PipelineError, match=r"float32\[3\] loss; return one real"):
+        reference_value_and_grad(lambda p, b: jnp.ones(3) * p, 1.0, batch, 4)

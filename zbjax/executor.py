@@ -18,6 +18,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from zbjax.errors import PipelineError, ScheduleError
 from zbjax.microbatch import microbatch_keys, split_microbatches
+from zbjax.params import wide_dtype
 from zbjax.schedules.ir import Action, Schedule
 from zbjax.stages import StageGraph, StageProgram
 
@@ -63,7 +64,8 @@ def run_schedule(
     batch_leaves = _microbatch_leaves(graph, batch, key, m)
     runner = _Runner(graph, programs, param_leaves, batch_leaves, m, jit)
     runner.run(schedule)
-    grads = jax.tree_util.tree_unflatten(graph.params_treedef, runner.grads)
+    narrowed = [g.astype(a.dtype) for g, a in zip(runner.grads, graph.param_avals, strict=True)]
+    grads = jax.tree_util.tree_unflatten(graph.params_treedef, narrowed)
     return graph.loss_and_aux(runner.totals), grads
 
 
@@ -163,7 +165,8 @@ class _Runner:
         self.residuals: dict[tuple[int, int], list[Any]] = {}
         self.stash: dict[tuple[int, int], list[Any]] = {}
         self.done: set[Action] = set()
-        self.grads = [jnp.zeros(a.shape, a.dtype) for a in graph.param_avals]
+        # Summed in float32 for 16-bit floats, as the pipeline sums them (cast at the end).
+        self.grads = [jnp.zeros(a.shape, wide_dtype(a.dtype)) for a in graph.param_avals]
         # The loss stage's outputs, averaged over microbatches: the loss (in float32), its aux.
         aux_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
         self.totals = [jnp.zeros((), jnp.float32)] + [
@@ -277,6 +280,7 @@ class _Runner:
         # A tied leaf read by several stages receives the sum of their contributions; a stage
         # reading some rows of a leaf adds to those rows.
         for leaf, rows, ct in zip(stage.param_leaves, stage.param_slices(), param_cts, strict=True):
+            ct = ct.astype(self.grads[leaf].dtype)
             if rows is None:
                 self.grads[leaf] = self.grads[leaf] + ct
             else:

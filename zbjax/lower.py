@@ -1177,8 +1177,10 @@ def _add_gradients(
         # Integer params have float0 cotangents; their gradient stays zero.
         if ct.dtype == jax.dtypes.float0 or not jnp.issubdtype(slot.dtype, jnp.inexact):
             ct = jnp.zeros(layout.copy_shape(slot), slot.dtype)
-        elif scale != 1.0:
-            ct = ct * jnp.asarray(scale, ct.dtype)
+        else:
+            ct = ct.astype(grads[k].dtype)  # a 16-bit leaf's sum is kept in float32
+            if scale != 1.0:
+                ct = ct * jnp.asarray(scale, ct.dtype)
         slots[k].append(slot)
         values[k].append(ct)
     for k, (these, cts) in enumerate(zip(slots, values, strict=True)):
@@ -1372,9 +1374,11 @@ def _run(
             )
             return carry, None
 
-        grads = [jnp.zeros(r.shape, r.dtype) for r in rows]
-        # The loss and aux sums over microbatches are kept in float32 for 16-bit floats: a
-        # float16 sum of m losses overflows (4 x 30000) where their mean does not.
+        # The gradients, loss and aux summed over microbatches are kept in float32 for 16-bit
+        # floats: a float16 sum of m losses overflows (4 x 30000) where their mean does not,
+        # and bfloat16 gradients summed in bfloat16 lost precision with m (0.016 off the
+        # exact mean at m = 64, where a float32 sum is 0.003 off).
+        grads = [jnp.zeros(r.shape, wide_dtype(r.dtype)) for r in rows]
         zero = _zeros([jax.ShapeDtypeStruct(a.shape, wide_dtype(a.dtype)) for a in loss_avals])
         sends = [
             [
@@ -1400,6 +1404,7 @@ def _run(
         loss = [t.astype(a.dtype) for t, a in zip(loss, loss_avals, strict=True)]
         # Every copy of a tied leaf gets the leaf's whole gradient; the rest stay where they are.
         grads = sum_shared_gradients(low.layout, grads, axis)
+        grads = [g.astype(r.dtype) for g, r in zip(grads, rows, strict=True)]
         pools = [b for buffer in arena_bufs for b in buffer]
         out_pools = [p[None, None] for p in pools] if given_pools else []
         return loss, [g[None] for g in grads], out_pools

@@ -168,12 +168,24 @@ def reference_value_and_grad(
             check_aux_pair(out)
         return out
 
-    # Integer (and bool) leaves get zero gradients of their own dtype, as the pipeline gives.
-    differentiate = jax.value_and_grad(checked, has_aux=has_aux, allow_int=True)
+    # Each backward is seeded as the pipeline seeds it: with the power of two 2^-k nearest
+    # below 1/m, the gradients then scaled by 2^k / m (in float32 where 16-bit). Seeded with 1,
+    # a loss-scaled float16 model's gradients overflowed here, m times the pipeline's.
+    power = num_microbatches.bit_length() - 1
 
     def value_and_grad(params, *args):
-        value, grads = differentiate(params, *args)
-        return value, jax.tree.map(_zero_if_float0, grads, params)
+        out = jax.vjp(lambda p: checked(p, *args), params, has_aux=has_aux)
+        loss, pullback = out[0], out[1]
+        dtype = jnp.result_type(loss)
+        if jnp.shape(loss) != () or not jnp.issubdtype(dtype, jnp.floating):
+            raise PipelineError(
+                f"loss_fn returned a {dtype}{list(jnp.shape(loss))} loss; return one real "
+                "floating-point scalar (e.g. the mean loss over the batch)"
+            )
+        (grads,) = pullback(jnp.asarray(2.0**-power, dtype))
+        # Integer (and bool) leaves get zero gradients of their own dtype, as the pipeline's.
+        grads = jax.tree.map(_zero_if_float0, grads, params)
+        return ((loss, out[2]) if has_aux else loss), grads
 
     keys = None if key is None else microbatch_keys(key, num_microbatches)
     value_sum = None
@@ -199,12 +211,13 @@ def reference_value_and_grad(
             value, grads = jax.tree.map(_wide, (value, grads))
             value_sum = value if value_sum is None else jax.tree.map(jnp.add, value_sum, value)
             grad_sum = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
-    scale = 1.0 / (num_microbatches * data_parallel)
-    mean, grads = jax.tree.map(
-        lambda v, dtype: (v * jnp.asarray(scale, jnp.result_type(v))).astype(dtype),
-        (value_sum, grad_sum),
-        dtypes,
-    )
+
+    def mean_of(total: Any, dtype: Any, scale: float) -> Any:
+        return (total * jnp.asarray(scale, jnp.result_type(total))).astype(dtype)
+
+    shards = num_microbatches * data_parallel
+    mean = jax.tree.map(functools.partial(mean_of, scale=1.0 / shards), value_sum, dtypes[0])
+    grads = jax.tree.map(functools.partial(mean_of, scale=2.0**power / shards), grad_sum, dtypes[1])
     return mean, grads
 
 

@@ -496,12 +496,17 @@ def _summed_gradient(
     return _sum_copies(aval, [(s, _slot_value(staged.rows, layout, d, s)) for d, s in copies])
 
 
-def _sum_copies(aval: jax.ShapeDtypeStruct, pieces: Sequence[tuple[LeafSlot, jax.Array]]):
-    """Returns the sum of a leaf's copies ``(slot, value)`` in the leaf's shape: a row-range
-    copy adds to its rows, and elements no copy holds are zero."""
-    total = jnp.zeros(aval.shape, aval.dtype)
+def _sum_copies(
+    aval: jax.ShapeDtypeStruct,
+    pieces: Sequence[tuple[LeafSlot, jax.Array]],
+    dtype: Any = None,
+):
+    """Returns the sum of a leaf's copies ``(slot, value)`` in the leaf's shape (in ``dtype``,
+    else the leaf's): a row-range copy adds to its rows, and elements no copy holds are zero."""
+    dtype = aval.dtype if dtype is None else dtype
+    total = jnp.zeros(aval.shape, dtype)
     for slot, value in pieces:
-        value = value.astype(aval.dtype)
+        value = value.astype(dtype)
         if slot.rows is None:
             total = total + value
         else:
@@ -551,7 +556,8 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
                 slots = [slot for d, slot in copies if d == device]
                 values = read_slots(layout, rows, slots)
                 aval = layout.param_avals[copies[0][1].leaf]
-                out.append(_sum_copies(aval, list(zip(slots, values, strict=True))))
+                pieces = list(zip(slots, values, strict=True))
+                out.append(_sum_copies(aval, pieces, wide_dtype(aval.dtype)))
             return out
 
         return branch
