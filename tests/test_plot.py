@@ -143,6 +143,7 @@ def test_chrome_trace_has_one_complete_event_per_action_with_its_times():
     action = schedule.actions[1][2]
     assert event["ts"] == result.start[action] * 1000
     assert event["dur"] == 2000
+    assert trace["otherData"]["us_per_cost_unit"] == 1000  # what the times mean
     threads = {
         e["tid"]: e["args"]["name"]
         for e in trace["traceEvents"]
@@ -155,6 +156,7 @@ def test_chrome_trace_has_one_complete_event_per_action_with_its_times():
     event = next(e for e in timed["traceEvents"] if e["name"] == "F s1 mb1" and e["tid"] == 1)
     assert event["ts"] == pytest.approx(result.start[action] * 1000)
     assert event["dur"] == pytest.approx(2000)
+    assert timed["otherData"]["us_per_cost_unit"] == 1e6
     for bad in (0, -1.0, float("inf"), "ms", None):
         with pytest.raises(ScheduleError, match="unit_us=.*1e6 for costs in seconds"):
             chrome_trace(schedule, costs, unit_us=bad)

@@ -13,7 +13,8 @@ Choices a user would want to know:
   (embedding with the first block, the final LayerNorm and tied head with the last). The Gantt
   chart, the trace, the bubble rate on the progress line and the report all show the schedule
   that actually runs (``pipe.schedule``), simulated with the same costs: the stage programs'
-  own estimates (``zbjax.pipeline.program_costs``).
+  own estimates (``zbjax.pipeline.program_costs``). The trace, which Perfetto reads in
+  microseconds, has them scaled so that the simulated step lasts the measured median step.
 - Params stay in the pipeline's staged layout between steps (``pipe.stage``). adamw decays the
   weight matrices and embeddings only (a mask on the parameter tree, as GPT recipes do: no
   decay on LayerNorm scales and biases), so it runs through ``pipe.per_leaf``: each device
@@ -478,7 +479,6 @@ def run_demo(
     # The schedule that runs, simulated with the costs the report uses.
     costs = program_costs(pipe.programs)
     simulated = schedules.simulate(pipe.schedule, costs)
-    files = _write_schedule_files(pipe.schedule, costs, config.out_dir, notes)
     tick = time.perf_counter()
     # Compiled ahead of time, so that the first step's time is a step's, not the compiler's;
     # the report reads its memory from this compile instead of compiling one of its own.
@@ -520,7 +520,6 @@ def run_demo(
         elapsed = time.perf_counter() - tick
         if profiling and step == profile_last:
             jax.profiler.stop_trace()
-            files += (str(config.profile_dir),)
         if step == 0:
             first_grads = jax.tree.map(np.asarray, pipe.unstage(grads))
         losses.append(loss)
@@ -538,6 +537,14 @@ def run_demo(
             )
 
     phases.append(("steps", sum(seconds)))
+    # The trace shows microseconds: it gets the cost estimates scaled so that the simulated
+    # step lasts as long as the measured one (a median after the first, which compiles).
+    step_time = statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
+    files = _write_schedule_files(
+        pipe.schedule, costs, config.out_dir, notes, step_time, simulated.makespan
+    )
+    if config.profile_dir is not None:
+        files += (str(config.profile_dir),)
     traced = None
     if config.profile_dir is not None:
         # The steps after the first, which compiled nothing, and not traced.
@@ -584,15 +591,30 @@ def run_demo(
 
 
 def _write_schedule_files(
-    schedule: schedules.Schedule, costs: schedules.Costs, out_dir: str | None, notes: list[str]
+    schedule: schedules.Schedule,
+    costs: schedules.Costs,
+    out_dir: str | None,
+    notes: list[str],
+    step_seconds: float,
+    makespan: float,
 ) -> tuple[str, ...]:
-    """Returns the paths written: the schedule's Perfetto trace and (with matplotlib) Gantt PNG."""
+    """Returns the paths written: the schedule's Perfetto trace and (with matplotlib) Gantt PNG.
+
+    The costs are FLOP-and-byte estimates (1e6 to 1e9 units an action), so the trace, whose
+    times Perfetto reads as microseconds, gets them scaled to make the simulated ``makespan``
+    last ``step_seconds``; the Gantt chart keeps cost units and says so on its axis.
+    """
     if out_dir is None:
         return ()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trace = schedules.write_trace(schedule, out / "schedule_trace.json", costs)
+    unit_us = step_seconds * 1e6 / makespan
+    trace = schedules.write_trace(schedule, out / "schedule_trace.json", costs, unit_us)
     written = [str(trace)]
+    notes.append(
+        f"{trace}: the simulated schedule, its cost estimates scaled so that the step lasts "
+        f"the median measured step ({step_seconds * 1e3:.1f} ms)"
+    )
     try:
         schedules.gantt(
             schedule, costs, path=out / "schedule.png", title=f"{schedule.name} (simulated)"

@@ -319,7 +319,8 @@ def chrome_trace(
     like ``"F s2 mb3"``, with ``ts``/``dur`` in microseconds where one cost unit is ``unit_us``
     microseconds (default 1000; pass ``unit_us=1e6`` for costs in seconds, as
     ``pipe.measure_costs`` returns them), and ``args`` holding kind, stage and microbatch.
-    Metadata events name each thread ``device d``.
+    Metadata events name each thread ``device d``; ``otherData`` holds the schedule's sizes,
+    makespan (in cost units), bubble rate and ``us_per_cost_unit``.
     """
     check_schedule(schedule, "chrome_trace")
     Costs.check(costs, "chrome_trace's costs")
@@ -366,6 +367,8 @@ def chrome_trace(
             "num_microbatches": schedule.num_microbatches,
             "makespan": result.makespan,
             "bubble_rate": result.bubble_rate,
+            # Says what the times mean: Perfetto shows microseconds whatever the costs were.
+            "us_per_cost_unit": scale,
         },
     }
 
