@@ -256,6 +256,60 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
         assert needle in capsys.readouterr().err
 
 
+def test_stage_count_errors_name_the_schedule_s_own_fix(capsys):
+    """A DAG schedule given fewer stages than devices was told to use a DAG schedule; a
+    two-stages-per-device schedule given too few stages was pointed at DAG schedules too."""
+    for schedule in ("dag-1f1b", "dag-zb"):
+        argv = ["demo", "--schedule", schedule, "--devices", "2", "--stages", "1"]
+        assert main([*argv, "--layers", "4"]) == 2
+        err = capsys.readouterr().err
+        assert f"{schedule} runs at least one stage per device" in err
+        assert "--stages 2 or more, or --devices 1" in err and "use dag-" not in err
+    assert main(["demo", "--schedule", "zb-v", "--stages", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "zb-v runs 2 stages per device, so 16 stages on 8" in err
+    assert "leave stages out and use --devices 4" in err and "dag-" not in err
+    assert main(["demo", "--schedule", "zb-v", "--devices", "2", "--stages", "3"]) == 2
+    assert "use an even --stages" in capsys.readouterr().err
+    # More stages than a one-stage-per-device schedule runs: the DAG schedules take them.
+    assert main(["demo", "--schedule", "1f1b", "--devices", "2", "--stages", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "use --devices 3; or, for more stages than that, dag-1f1b or dag-zb" in err
+
+
+def test_too_few_layers_names_the_flags_that_fix_it(capsys):
+    assert main(["demo", "--schedule", "zb-v", "--devices", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "8 layers make 9 chain units (the blocks, then the head), too few for 16" in err
+    assert "use --layers 15 or more, or --devices 4 or fewer (zb-v runs 2 stages" in err
+    assert main(["demo", "--devices", "8", "--layers", "4"]) == 2
+    assert "use --layers 7 or more, or --devices 5 or fewer\n" in capsys.readouterr().err
+    argv = ["demo", "--schedule", "dag-zb", "--devices", "2", "--stages", "9", "--layers", "4"]
+    assert main(argv) == 2
+    assert "use --layers 8 or more, or --stages 5 or fewer" in capsys.readouterr().err
+
+
+def test_default_devices_fit_the_layers_and_say_so():
+    """zb-v and interleaved-1f1b failed with the defaults: 16 stages on all 8 devices, but 8
+    layers make 9 chain units. Left to choose, the demo takes the devices the layers fit."""
+    devices, note = demo._default_devices(DemoConfig(schedule="zb-v"))
+    assert devices == 4
+    assert note.startswith("devices: 4 of the 8 present, since zb-v runs 2 stages per device")
+    assert demo._default_devices(DemoConfig(schedule="interleaved-1f1b"))[0] == 4
+    assert demo._default_devices(DemoConfig()) == (None, None)  # zb-h1: 8 stages fit
+    assert demo._default_devices(DemoConfig(layers=3))[0] == 4
+    assert demo._default_devices(DemoConfig(schedule="zb-v", tp=2)) == (None, None)
+    # What the user set stays: the errors above name the fix.
+    assert demo._default_devices(DemoConfig(schedule="zb-v", devices=8)) == (8, None)
+    assert demo._default_devices(DemoConfig(schedule="zb-v", stages=16)) == (None, None)
+    config = dataclasses.replace(TINY, schedule="zb-v", devices=None, layers=3, steps=2)
+    reports = []
+    result = run_demo(dataclasses.replace(config, out_dir=None, check_final=False), reports.append)
+    assert (result.num_devices, result.num_stages) == (2, 4) and result.passed
+    assert reports[0].startswith("devices: 2 of the 8 present, since zb-v runs 2 stages")
+    assert "4 stages on 2 devices" in reports[0]
+
+
 def test_dag_schedules_place_more_stages_than_devices_in_blocks():
     config = DemoConfig(schedule="dag-zb", devices=2, stages=5)
     assert demo._stages_and_placement(config, 2) == (5, (0, 0, 0, 1, 1))

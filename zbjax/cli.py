@@ -398,7 +398,8 @@ def _add_demo_parser(subparsers: Any) -> None:
         "--devices",
         type=int,
         default=None,
-        help="pipeline devices (default: all, at most 8, divided by --tp)",
+        help="pipeline devices (default: all, at most 8, divided by --tp, and no more than "
+        "the layers give stages to: 4 for zb-v and interleaved-1f1b with 8 layers)",
     )
     parser.add_argument(
         "--tp",

@@ -15,6 +15,8 @@ Choices a user would want to know:
   that actually runs (``pipe.schedule``), simulated with the same costs: the stage programs'
   own estimates (``zbjax.pipeline.program_costs``). The trace, which Perfetto reads in
   microseconds, has them scaled so that the simulated step lasts the measured median step.
+- Left to choose the devices, the demo takes only as many as the layers give stages to (4 of
+  8 for zb-v and interleaved-1f1b with the 8 default layers) and says so in the report.
 - Params stay in the pipeline's staged layout between steps (``pipe.stage``). adamw decays the
   weight matrices and embeddings only (a mask on the parameter tree, as GPT recipes do: no
   decay on LayerNorm scales and biases), so it runs through ``pipe.per_leaf``: each device
@@ -219,23 +221,45 @@ def _check_config(config: DemoConfig) -> None:
         )
 
 
+def _stages_per_device(schedule: str) -> int:
+    return 2 if schedule in TWO_STAGES_PER_DEVICE else 1
+
+
 def _stages_and_placement(
     config: DemoConfig, num_devices: int
 ) -> tuple[int, tuple[int, ...] | None]:
     """Returns the model's stage count on ``num_devices`` pipeline devices and, for the DAG
     schedules given more stages than devices, their placement (contiguous blocks of stages
     per device); raises PipelineError for a stage count the schedule cannot run."""
-    per_device = 2 if config.schedule in TWO_STAGES_PER_DEVICE else 1
+    per_device = _stages_per_device(config.schedule)
     fixed = num_devices * per_device
     if config.stages is None or config.stages == fixed:
         return fixed, None
-    if config.schedule in schedules.DAG_SCHEDULE_NAMES and config.stages > num_devices:
-        return config.stages, tuple(s * num_devices // config.stages for s in range(config.stages))
+    if config.schedule in schedules.DAG_SCHEDULE_NAMES:
+        if config.stages > num_devices:
+            return config.stages, tuple(
+                s * num_devices // config.stages for s in range(config.stages)
+            )
+        # The message names the schedule's own rule: it takes more stages, not another schedule.
+        raise PipelineError(
+            f"stages={config.stages}: {config.schedule} runs at least one stage per device, "
+            f"so at least {num_devices} stages on {num_devices} pipeline devices (more are "
+            f"placed in contiguous blocks); leave stages out, use --stages {num_devices} or "
+            f"more, or --devices {config.stages}"
+        )
     several = f"{per_device} stages per device" if per_device > 1 else "one stage per device"
+    if config.stages % per_device:
+        devices_hint = "use an even --stages, or leave stages out and set --devices"
+    else:
+        devices_hint = f"leave stages out and use --devices {config.stages // per_device}"
+    more = (
+        "; or, for more stages than that, dag-1f1b or dag-zb, which place them in blocks"
+        if config.stages > fixed
+        else ""
+    )
     raise PipelineError(
         f"stages={config.stages}: {config.schedule} runs {several}, so {fixed} stages on "
-        f"{num_devices} pipeline devices; leave stages out, set the devices instead, or use "
-        f"dag-1f1b or dag-zb, which place more stages than devices in blocks"
+        f"{num_devices} pipeline devices; {devices_hint}{more}"
     )
 
 
@@ -245,6 +269,26 @@ def _make_dirs(config: DemoConfig) -> None:
     for name, path in (("out_dir", config.out_dir), ("profile_dir", config.profile_dir)):
         if path is not None:
             make_output_dir(name, path)
+
+
+def _default_devices(config: DemoConfig) -> tuple[int | None, str | None]:
+    """Returns the pipeline devices to ask ``_pp_mesh`` for, and a note saying why when the
+    demo chose fewer than the devices present: left to itself, the demo takes only as many as
+    the layers can give stages to (zb-v's 2 stages per device on all 8 devices would need 15
+    layers, not the default 8)."""
+    if config.devices is not None or config.stages is not None:
+        return config.devices, None
+    present = min(CPU_DEVICES, len(jax.devices())) // config.tp
+    per_device = _stages_per_device(config.schedule)
+    fit = max(1, (config.layers + 1) // per_device)
+    if present <= fit:
+        return None, None
+    runs = f"runs {per_device} stages per device" if per_device > 1 else "runs one stage each"
+    return fit, (
+        f"devices: {fit} of the {present} present, since {config.schedule} {runs} and "
+        f"{config.layers} layers make {config.layers + 1} chain units (the blocks, then the "
+        "head); set --devices or --layers to choose otherwise"
+    )
 
 
 def _pp_mesh(num_devices: int | None, tp: int = 1) -> jax.sharding.Mesh:
@@ -277,11 +321,18 @@ def _gpt_config(config: DemoConfig, vocab_size: int, num_stages: int):
         num_layers=config.layers,
         data_seed=config.seed,
     )
-    if num_stages > config.layers + 1:
+    units = config.layers + 1
+    if num_stages > units:
+        if config.stages is not None:
+            fewer = f"--stages {units} or fewer"
+        else:  # the stages follow the devices
+            per_device = _stages_per_device(config.schedule)
+            fewer = f"--devices {units // per_device} or fewer"
+            if per_device > 1:
+                fewer += f" ({config.schedule} runs {per_device} stages per device)"
         raise PipelineError(
-            f"{config.layers} layers make {config.layers + 1} chain units (the blocks, then the "
-            f"head), too few for {num_stages} stages; use layers >= {num_stages - 1} or fewer "
-            "stages"
+            f"{config.layers} layers make {units} chain units (the blocks, then the head), too "
+            f"few for {num_stages} stages; use --layers {num_stages - 1} or more, or {fewer}"
         )
     cuts = gpt.balanced_boundaries(cfg, num_stages)
     return dataclasses.replace(cfg, stage_boundaries=cuts)
@@ -441,7 +492,8 @@ def run_demo(
     _check_config(config)
     _make_dirs(config)
     request_cpu_devices(config.devices and config.devices * config.tp)
-    mesh = _pp_mesh(config.devices, config.tp)
+    devices, chosen = _default_devices(config)
+    mesh = _pp_mesh(devices, config.tp)
     num_devices = int(mesh.shape["pp"])
     num_stages, placement = _stages_and_placement(config, num_devices)
 
@@ -452,7 +504,7 @@ def run_demo(
     def batches(step: int) -> dict[str, np.ndarray]:
         return batch_at(corpus, step, config.batch_size, config.seq_len, seed=config.seed)
 
-    notes: list[str] = []
+    notes: list[str] = [chosen] if chosen is not None else []
     loss_fn = gpt.make_loss_fn(cfg)
     params = rescale_init(gpt.init_params(jax.random.key(config.seed), cfg), cfg.num_layers)
     pipe = make_pipeline(
@@ -488,7 +540,7 @@ def run_demo(
     phases.append(("compile", time.perf_counter() - tick))
     if on_report is not None:
         tick = time.perf_counter()
-        on_report(pipe.report(step_fn))
+        on_report((f"{chosen}\n" if chosen else "") + pipe.report(step_fn))
         phases.append(("report", time.perf_counter() - tick))
     # Every step's inputs carry the same shardings, so the update compiles once, not twice.
     staged_optimizer = pipe.per_leaf(optimizer)
