@@ -419,3 +419,21 @@ def test_build_time_splits_the_alike_middle_stages_once_and_tables_both_ways():
     assert re.search(
         rf"^\| 8 \| {once} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", build_time.table(builds, [8]), re.M
     )
+
+
+def test_run_all_reruns_every_section_with_the_command_that_made_it():
+    """run_all.sh ran every script with its defaults, while 7 sections were made with other
+    flags (compile_time --repeats 3, step_time --rounds 21, ...): rerunning them all did not
+    reproduce RESULTS.md's commands."""
+    here = Path(__file__).resolve().parents[1] / "benchmarks"
+    made_by = dict(
+        re.findall(
+            r"Made by `python benchmarks/(\w+\.py) ?([^`]*)`", (here / "RESULTS.md").read_text()
+        )
+    )
+    runs = dict(
+        re.findall(r"\brun benchmarks/(\w+\.py) ?([^;\n]*)", (here / "run_all.sh").read_text())
+    )
+    scripts = {p.name for p in here.glob("*.py") if not p.name.startswith("_")}
+    assert set(made_by) == set(runs) == scripts
+    assert {name: runs[name].strip() for name in runs} == made_by
