@@ -400,13 +400,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(args.worker, args.port, args.rounds, args.microbatches, args.out, args.smoke)
         return 0
     began = time.perf_counter()
-    result = launch(args.rounds, args.microbatches)
+    result = launch(args.rounds, args.microbatches, smoke=args.smoke)
     from _results import write_section
 
     body = section(result, args.rounds, args.microbatches, time.perf_counter() - began)
-    path = write_section("multiprocess", body)
     print(body)
-    print(f"wrote {path}")
+    if args.smoke:  # toy sizes, which the section does not describe (as gpu.py --cpu-smoke)
+        print("--smoke: not writing RESULTS.md")
+        return 0
+    print(f"wrote {write_section('multiprocess', body)}")
     return 0
 
 

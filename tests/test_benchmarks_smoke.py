@@ -310,8 +310,36 @@ def test_tensor_parallel_benchmark_halves_params_per_device_and_matches_value_an
     assert "| scan | pp 2 x dp 1 x tp 2 |" in text
 
 
-def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_section():
-    result = multiprocess.launch(rounds=1, microbatches=[2], smoke=True)
+def _smoke_main(module, argv, monkeypatch, capsys):
+    """Returns (the flags each worker got, worker 0's result, stdout) of ``module.main(argv)``
+    with --smoke, failing if it writes RESULTS.md: the top level passed no --smoke to the
+    workers (multiprocess.py, overlap.py), so the full benchmark ran and was written."""
+    import _results
+
+    launched = []
+    launch_workers = _results.launch_workers
+
+    def recording(script, args, num_workers, timeout_s):
+        launched.append((list(args), launch_workers(script, args, num_workers, timeout_s)))
+        return launched[-1][1]
+
+    def no_write(name, body, path=None):
+        raise AssertionError(f"--smoke wrote the section {name!r} of RESULTS.md")
+
+    monkeypatch.setattr(_results, "launch_workers", recording)
+    monkeypatch.setattr(_results, "write_section", no_write)
+    assert module.main([*argv, "--smoke"]) == 0
+    [(flags, result)] = launched
+    out = capsys.readouterr().out
+    assert "--smoke" in flags and "--smoke: not writing RESULTS.md" in out
+    return flags, result, out
+
+
+def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_section(
+    monkeypatch, capsys
+):
+    argv = ["--rounds", "1", "--microbatches", "2"]
+    _, result, _ = _smoke_main(multiprocess, argv, monkeypatch, capsys)
     assert result["ppermute_ms"] > 0 and len(result["costs_ms"][0]) == 2
     rows = result["m"]["2"]
     assert set(rows) == set(multiprocess.VARIANTS) and rows["1f1b"]["ratio"] == 1.0
@@ -332,10 +360,8 @@ def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_sectio
     assert "(in-step)" in text and f"| 2 | {multiprocess.IN_STEP} |" in text
 
 
-def test_overlap_benchmark_times_every_variant_in_two_pinned_processes():
-    from _results import launch_workers
-
-    times = launch_workers(overlap.__file__, ["--rounds", "2", "--smoke"], 2, 300)
+def test_overlap_benchmark_times_every_variant_in_two_pinned_processes(monkeypatch, capsys):
+    _, times, out = _smoke_main(overlap, ["--rounds", "2"], monkeypatch, capsys)
     assert set(times) == set(overlap.VARIANTS)
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in times.values())
     text = overlap.section(times, 2, 1.0)
