@@ -386,8 +386,9 @@ def _add_demo_parser(subparsers: Any) -> None:
             "mesh of 8 fake CPU devices (or the accelerators present; --tp adds tensor "
             "parallelism inside each stage), with optax.adamw "
             "(weight decay on matrices, run per leaf by pipe.per_leaf). "
-            "Prints the pipeline report and one progress line per step, writes the schedule's "
-            "Gantt chart and Perfetto trace, and checks the first step's loss and gradients "
+            "Prints the pipeline report and the progress (in a log, a line per step, or every "
+            "steps // 50 steps from 100 steps on), writes the schedule's Gantt chart and "
+            "Perfetto trace, and checks the first step's loss and gradients "
             "and the final loss against the unpipelined model. Exits 1 when a check fails."
         ),
     )
