@@ -83,6 +83,55 @@ def test_pipelined_tied_gpt_equals_value_and_grad_at_p8(name):
     assert_close(pipe.value_and_grad(params, batch), reference)
 
 
+def _tied_leaves_case(tied):
+    """Returns (loss_fn, params, batch) of a 3-stage model whose 12 small leaves (8 float32, 4
+    bfloat16) are read by stage 0 and, when ``tied``, by the last stage too."""
+    rng = np.random.default_rng(0)
+    params = {
+        "w": [jnp.asarray(rng.normal(size=(4, 4)) / 2, jnp.float32) for _ in range(3)],
+        "t": [
+            jnp.asarray(rng.normal(size=(4,)) / 10, jnp.float32 if j < 8 else jnp.bfloat16)
+            for j in range(12)
+        ],
+    }
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32), "y": jnp.zeros((8, 4))}
+
+    def loss_fn(params, batch):
+        tsum = sum(t.astype(jnp.float32) for t in params["t"])
+        x = batch["x"] + tsum
+        for i, w in enumerate(params["w"]):
+            x = jnp.tanh(x @ w)
+            if i < 2:
+                x = zbjax.stage_boundary(x)
+        return jnp.mean((x - (tsum if tied else 0) - batch["y"]) ** 2)
+
+    return loss_fn, params, batch
+
+
+def test_tied_leaves_are_summed_with_one_all_reduce_for_all_of_them():
+    """Each tied leaf had its own psum: 400 tied leaves put 401 all-reduces in the step
+    (helper D). The bfloat16 ones are summed in float32 with the float32 ones."""
+    counts = {}
+    for tied in (False, True):
+        loss_fn, params, batch = _tied_leaves_case(tied)
+        pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(3), schedule="1f1b", num_microbatches=4)
+        staged = pipe.stage(params, batch)
+        lowered = jax.jit(pipe.value_and_grad).lower(staged, batch)
+        # The lowered program: XLA:CPU's combiner later merges them all into one tuple
+        # all-reduce, after the passes that each separate one slowed down.
+        counts[tied] = lowered.as_text().count("stablehlo.all_reduce")
+        if tied:
+            loss, grads = pipe.value_and_grad(params, batch)
+            ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+            np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+            for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+                assert g.dtype == r.dtype
+                f32 = r.dtype == jnp.float32
+                tol = dict(rtol=1e-5, atol=1e-6) if f32 else dict(rtol=1e-2, atol=1e-3)
+                np.testing.assert_allclose(g.astype(np.float32), r.astype(np.float32), **tol)
+    assert counts[True] == counts[False] + 1, counts
+
+
 def test_pp4_dp2_mesh_splits_the_batch_over_dp_and_matches():
     loss_fn, params, batch = gpt_case(gpt, 4)
     mesh = jax.make_mesh((4, 2), ("pp", "dp"), axis_types=(AUTO, AUTO))

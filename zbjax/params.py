@@ -541,9 +541,9 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
     ``shard_map`` over ``axis`` (which checks no varying axes).
 
     Each device adds up its own copies of a shared leaf into a leaf-shaped value, one ``psum``
-    per leaf totals them, and each device writes the total back into its copies. Only shared
-    leaves move; every other slot already holds its leaf's gradient. The result equals
-    ``stage_leaves(layout, unstage_gradients(layout, staged))`` row by row.
+    totals them all (``psum_concatenated``), and each device writes the total back into its
+    copies. Only shared leaves move; every other slot already holds its leaf's gradient. The
+    result equals ``stage_leaves(layout, unstage_gradients(layout, staged))`` row by row.
     """
     groups = shared_leaves(layout)
     if not groups:
@@ -576,8 +576,29 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
 
     # The slots differ by device, so each device runs its own static code (one branch each).
     mine = per_device(axis, layout.num_devices, gather, list(rows))
-    totals = [reduce_wide(jax.lax.psum, x, axis) for x in mine]
+    totals = psum_concatenated(mine, axis)
     return per_device(axis, layout.num_devices, scatter, list(rows), totals)
+
+
+def psum_concatenated(values: Sequence[jax.Array], axis: str) -> list[jax.Array]:
+    """Returns ``[reduce_wide(jax.lax.psum, x, axis) for x in values]`` with one ``psum`` per
+    reduction dtype: the values are flattened and concatenated, summed, and split again. One
+    ``psum`` per value put one all-reduce per tied leaf in the step (helper D); XLA:CPU merges
+    them only late, and the step ran slower. Each element is still the sum of its own devices'
+    elements, so the totals are those of separate ``psum``s."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(values):
+        groups.setdefault(wide_dtype(x.dtype), []).append(i)
+    out: list = [None] * len(values)
+    for wide, members in groups.items():
+        flat = jnp.concatenate([values[i].astype(wide).reshape(-1) for i in members])
+        summed = jax.lax.psum(flat, axis)
+        start = 0
+        for i in members:
+            x = values[i]
+            out[i] = summed[start : start + x.size].reshape(x.shape).astype(x.dtype)
+            start += x.size
+    return out
 
 
 def wide_dtype(dtype: Any) -> Any:
