@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -548,6 +549,8 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
     groups = shared_leaves(layout)
     if not groups:
         return list(rows)
+    if layout.tensor_size == 1:
+        return _sum_shared_by_index(layout, groups, rows, axis)
 
     def gather(device: int):
         def branch(rows):
@@ -575,6 +578,85 @@ def sum_shared_gradients(layout: StagedLayout, rows: Sequence[jax.Array], axis: 
         return branch
 
     # The slots differ by device, so each device runs its own static code (one branch each).
+    mine = per_device(axis, layout.num_devices, gather, list(rows))
+    totals = psum_concatenated(mine, axis)
+    return per_device(axis, layout.num_devices, scatter, list(rows), totals)
+
+
+def _sum_shared_by_index(
+    layout: StagedLayout, groups: Sequence[Sequence[tuple[int, LeafSlot]]], rows, axis: str
+) -> list:
+    """``sum_shared_gradients`` without a tensor axis, in a few ops whatever the number of
+    shared leaves: per dtype, each device gathers its copies' elements into one vector of all
+    the shared leaves (one gather per copy a device holds of the same element, added in slot
+    order as before), and after the ``psum`` selects the totals back into its copies' places.
+    Reading and writing each leaf's slots on its own put a slice and an update per copy into
+    every device's branch, and 400 tied leaves took seconds to compile (helper D)."""
+    dtypes = sorted({layout.dtype_index(copies[0][1].dtype) for copies in groups})
+    # Where each shared leaf starts in its dtype's vector of totals.
+    base, length = {}, dict.fromkeys(dtypes, 0)
+    for copies in groups:
+        leaf, k = copies[0][1].leaf, layout.dtype_index(copies[0][1].dtype)
+        base[leaf], length[k] = length[k], length[k] + math.prod(layout.param_avals[leaf].shape)
+
+    def places(device: int, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(row positions, total positions) of each copy of dtype ``k`` on ``device``."""
+        out = []
+        for copies in groups:
+            for d, slot in copies:
+                if d != device or layout.dtype_index(slot.dtype) != k:
+                    continue
+                start = base[slot.leaf]
+                if slot.rows is not None:
+                    start += slot.rows[0] * math.prod(layout.param_avals[slot.leaf].shape[1:])
+                span = np.arange(slot.size, dtype=np.int32)
+                out.append((slot.offset + span, start + span))
+        return out
+
+    def gather(device: int):
+        def branch(rows):
+            out = []
+            for k in dtypes:
+                row = rows[k]
+                pad = row.shape[0]  # index of the zero appended to the row
+                count = np.zeros(length[k], np.int32)
+                index = []  # index[j][t]: where the (j+1)-th copy of total element t sits
+                for row_at, total_at in places(device, k):
+                    for j in np.unique(count[total_at]):
+                        if j == len(index):
+                            index.append(np.full(length[k], pad, np.int32))
+                        at = count[total_at] == j
+                        index[j][total_at[at]] = row_at[at]
+                    count[total_at] += 1
+                if not index:
+                    out.append(jnp.zeros(length[k], row.dtype))
+                    continue
+                row = jnp.concatenate([row, jnp.zeros(1, row.dtype)])
+                total = row[index[0]]
+                for more in index[1:]:
+                    total = total + row[more]
+                out.append(total)
+            return out
+
+        return branch
+
+    def scatter(device: int):
+        def branch(rows, totals):
+            rows = list(rows)
+            for k, total in zip(dtypes, totals, strict=True):
+                found = places(device, k)
+                if not found:
+                    continue
+                held = np.zeros(rows[k].shape[0], bool)
+                source = np.zeros(rows[k].shape[0], np.int32)
+                for row_at, total_at in found:
+                    held[row_at], source[row_at] = True, total_at
+                rows[k] = jnp.where(held, total[source].astype(rows[k].dtype), rows[k])
+            return rows
+
+        return branch
+
+    # The places differ by device, so each device runs its own static code (one branch each).
     mine = per_device(axis, layout.num_devices, gather, list(rows))
     totals = psum_concatenated(mine, axis)
     return per_device(axis, layout.num_devices, scatter, list(rows), totals)
