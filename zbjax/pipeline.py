@@ -813,7 +813,11 @@ class Pipeline:
         hold (a leaf it holds some rows of, as those rows; one it does not hold, as None,
         which optax passes over) and nothing crosses devices, so keep a whole-tree
         transformation outside: ``optax.chain(pipe.clip_by_global_norm(1.0),
-        pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``.
+        pipe.per_leaf(optax.adamw(1e-3, mask=decay_mask)))``. Works under ``jax.jit``. Its
+        compile grows with the leaves: 500 leaves of 8 floats on pp = 4 compiled the update in
+        5.2 s, against 0.9 s for ``optax.adamw`` on the user tree and 0.1 s on the rows
+        (helper D, ``python /work/s40/helperD/bug3.py``), so use an element-wise optimizer
+        without a mask on the rows.
         """
 
         if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
