@@ -497,3 +497,24 @@ def test_layers_inside_a_cond_or_a_while_loop_kept_whole_draw_the_warning_with_t
     for fn, what in cases:
         with pytest.warns(UserWarning, match=f"keeps a {what}"):
             zbjax.partition(fn, params, jnp.ones((4, 8)), num_stages=3)
+
+
+def test_a_mask_built_from_no_input_is_computed_in_every_stage_that_reads_it_not_sent():
+    """A causal mask built once at the top (from iotas: it depends on shapes only) was sent
+    from the first stage to every later one, every microbatch."""
+
+    def loss_fn(params, x):
+        t = x.shape[1]
+        mask = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]  # [t, t], no input
+        for k, w in enumerate(params):
+            if k:
+                x = zbjax.stage_boundary(x)
+            x = jnp.tanh(jnp.where(mask, x @ w, 0.0))
+        return jnp.mean(x**2)
+
+    params = [jax.random.normal(jax.random.key(k), (6, 6)) / 2 for k in range(3)]
+    x = jax.random.normal(jax.random.key(9), (2, 6, 6))
+    graph = partition(loss_fn, params, x)
+    assert [(e.src, e.dst) for e in graph.edges] == [(0, 1), (1, 2)]
+    assert all(len(e.values) == 1 and e.values[0].shape == (2, 6, 6) for e in graph.edges)
+    np.testing.assert_allclose(run_stages(graph, params, x), loss_fn(params, x), rtol=RTOL)

@@ -25,9 +25,10 @@ Stage assignment:
 - **Free equations** (those that are not activations: position embeddings, masks, one-hot
   targets, dropout bits drawn from a key) go to the earliest stage that reads them, so they are
   never computed twice; the stages after it receive them on an edge. Equations on params alone
-  (a cast of the param tree, a tied embedding scaled once) are the exception: they run again in
-  every stage that reads their values (``_recompute_param_values``), which then holds those
-  params, rather than sending a param-sized value every microbatch. Free inputs of a marker
+  (a cast of the param tree, a tied embedding scaled once) or on no input at all (a causal
+  mask built from ``iota``s) are the exception: they run again in every stage that reads their
+  values (``_recompute_param_values``), which then holds those params, rather than sending a
+  param-sized value, or a constant, every microbatch. Free inputs of a marker
   are read at the stage of the marker's other inputs (stage 0 when it has none). With
   ``has_aux``, an equation that feeds only aux outputs and reads no param runs at the stage of
   its latest input instead, so a metric of an early activation travels, not the activation.
@@ -908,11 +909,11 @@ def _recompute_param_values(
     program: _Program, eqn_stages: Sequence[int], count: int
 ) -> list[set[int]]:
     """Returns per stage the indices of the equations it runs: its own (``eqn_stages``), plus
-    those that compute from params alone (a cast, a transpose, a scaled copy; no batch value,
-    no activation, no effect) whose values it reads, recomputed there rather than sent from
-    the stage they were assigned to every microbatch (their params are then held by each such
-    stage, as a tied leaf is); such an equation is dropped from a stage that no longer reads
-    its values."""
+    those that compute from params alone or from no input at all (a cast, a transpose, a
+    scaled copy; a causal mask built from ``iota``s; no batch value, no activation, no effect)
+    whose values it reads, recomputed there rather than sent from the stage they were assigned
+    to every microbatch (their params are then held by each such stage, as a tied leaf is);
+    such an equation is dropped from a stage that no longer reads its values."""
     jaxpr = program.jaxpr
     eqns = jaxpr.eqns
     params = set(jaxpr.invars[: program.num_params])
@@ -922,9 +923,7 @@ def _recompute_param_values(
         if eqn.effects or is_stage_boundary(eqn):
             continue
         atoms = [a for a in eqn.invars if isinstance(a, Var)]
-        if all(a in params or a in consts or a in made_by for a in atoms) and any(
-            a in params or a in made_by for a in atoms
-        ):
+        if all(a in params or a in consts or a in made_by for a in atoms):
             made_by.update((v, i) for v in eqn.outvars)
     members = [{i for i, s in enumerate(eqn_stages) if s == t} for t in range(count)]
     if not made_by:
@@ -981,6 +980,22 @@ def _row_sliced_params(
             inputs.append(eqn.outvars[0])
             dropped.append(eqn)
             continue
+        slices = _row_slices(uses.get(v, []), v) if v not in returned else None
+        if slices is not None:
+            lo, hi = min(a for a, _ in slices), max(b for _, b in slices)
+            part = new_var(v.aval.update(shape=(hi - lo, *v.aval.shape[1:])))
+            rows.append((lo, hi))
+            inputs.append(part)
+            for use, (a, b) in zip(uses[v], slices, strict=True):
+                dropped.append(use)
+                start, limit = use.params["start_indices"], use.params["limit_indices"]
+                params = dict(
+                    use.params,
+                    start_indices=(a - lo, *start[1:]),
+                    limit_indices=(b - lo, *limit[1:]),
+                )
+                added.append(use.replace(invars=[part], params=params))
+            continue
         cast = eqn if eqn is not None and eqn.primitive.name == "convert_element_type" else None
         sliced = only_use(cast.outvars[0]) if cast is not None else None
         span = _leading_rows(sliced, cast.outvars[0]) if sliced is not None else None
@@ -994,6 +1009,20 @@ def _row_sliced_params(
         dropped.extend((cast, sliced))
         added.append(cast.replace(invars=[part], outvars=[sliced.outvars[0]]))
     return tuple(rows), inputs, dropped, added
+
+
+def _row_slices(found: Sequence[Any], v: Var) -> list[tuple[int, int]] | None:
+    """Returns each use's [begin, end) rows when ``v`` is read by several static slices of
+    rows of its leading axis and nothing else (layers unrolled over a stacked param,
+    ``p["stack"][i]``) that leave some rows unread, else None."""
+    if len(found) < 2:
+        return None
+    slices = [_leading_rows(eqn, v) for eqn in found]
+    if any(s is None for s in slices):
+        return None
+    if (min(a for a, _ in slices), max(b for _, b in slices)) == (0, v.aval.shape[0]):
+        return None
+    return slices
 
 
 def _leading_rows(eqn: Any, v: Var) -> tuple[int, int] | None:
