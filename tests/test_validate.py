@@ -160,7 +160,11 @@ def test_action_on_the_wrong_device_fails():
 
 
 def test_unknown_microbatch_and_stage_fail():
-    _raises(_schedule(CHAIN_VALID + " 0F7", (0, 1)), "device rule", "microbatch 7")
+    _raises(
+        _schedule(CHAIN_VALID.replace("0W1\n", "0W1 0F7\n", 1), (0, 1)),
+        "device rule",
+        "microbatch 7",
+    )
     _raises(_schedule(CHAIN_VALID.replace("d1:", "d1: 5F0"), (0, 1)), "device rule", "stage 5")
 
 
