@@ -22,6 +22,7 @@ run benchmarks/bw_in_step.py --rounds 11 --seconds 60 --profiles 2
 run benchmarks/slot_writes.py --repeats 11
 run benchmarks/stash_reads.py --repeats 21
 run benchmarks/memory.py --microbatches 4 8 16
+run benchmarks/balance.py --repeats 21
 run benchmarks/compile_time.py --repeats 3
 run benchmarks/build_time.py --repeats 3 --layers 8 16 32 48
 run benchmarks/optimizer.py --rounds 21

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import balance  # noqa: E402
 import buffers  # noqa: E402
 import build_time  # noqa: E402
 import bw_in_step  # noqa: E402
@@ -463,3 +464,12 @@ def test_run_all_reruns_every_section_with_the_command_that_made_it():
     scripts = {p.name for p in here.glob("*.py") if not p.name.startswith("_")}
     assert set(made_by) == set(runs) == scripts
     assert {name: runs[name].strip() for name in runs} == made_by
+
+
+def test_balance_cuts_a_scan_mlp_with_a_bytes_weight_and_times_its_stages():
+    flops, moved = balance.machine_balance(repeats=1)
+    assert len(flops) == len(balance.MATMUL_WIDTHS) and all(f > 0 for _, f in flops)
+    assert len(moved) == len(balance.ELEMENTWISE_SIZES) and all(b > 0 for _, b in moved)
+    cut = balance.cut_balance("decay", 3.0, balance.SMOKE_MLP, repeats=1)
+    assert len(cut["layers"]) == balance.DEVICES and cut["measured"] >= 1.0
+    assert cut["layers"][-1] == balance.SMOKE_MLP["layers"]  # the decay reads the whole stack

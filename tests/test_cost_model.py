@@ -8,8 +8,11 @@ from jax.sharding import PartitionSpec as P
 from zbjax import stage_boundary
 from zbjax.cost_model import (
     BYTES_WEIGHT,
+    CPU_BYTES_WEIGHT,
     aval_bytes,
     avals_bytes,
+    bytes_weight,
+    costs_for,
     equation_cost,
     jaxpr_cost,
     matmul_flops,
@@ -110,8 +113,16 @@ def test_equation_cost_is_flops_for_matmuls_and_weighted_bytes_otherwise():
     dot, marker, tanh = closed.jaxpr.eqns
     assert equation_cost(dot) == 2 * 3 * 5 * 7
     assert equation_cost(marker) == 0.0
-    assert equation_cost(tanh) == BYTES_WEIGHT * (2 * 3 * 7 * 4)
-    assert jaxpr_cost(closed) == pytest.approx(2 * 3 * 5 * 7 + BYTES_WEIGHT * 168)
+    assert equation_cost(tanh) == bytes_weight() * (2 * 3 * 7 * 4)
+    assert jaxpr_cost(closed) == pytest.approx(2 * 3 * 5 * 7 + bytes_weight() * 168)
+    # Bytes weigh by the platform the program runs on: JAX's default backend here (CPU),
+    # the devices of its mesh in a pipeline.
+    assert bytes_weight() == CPU_BYTES_WEIGHT
+    with costs_for("gpu"):
+        assert equation_cost(tanh) == BYTES_WEIGHT * (2 * 3 * 7 * 4)
+        with costs_for("cpu"):
+            assert bytes_weight() == CPU_BYTES_WEIGHT
+        assert bytes_weight() == BYTES_WEIGHT
 
 
 def test_jaxpr_cost_scales_scan_bodies_by_length():

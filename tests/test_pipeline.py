@@ -1024,8 +1024,8 @@ def test_staged_params_of_another_pipelines_layout_are_refused():
 
     def loss_fn(params, batch):
         h = batch["x"]
-        for w in params:
-            h = jnp.tanh(h @ w)
+        for k, w in enumerate(params):
+            h = jnp.tanh((zbjax.stage_boundary(h) if k else h) @ w)  # a layer per stage
         return jnp.mean((h - batch["y"]) ** 2)
 
     one, other = (
@@ -1610,3 +1610,63 @@ def test_values_made_from_params_alone_are_recomputed_where_they_are_read():
     np.testing.assert_allclose(
         np.float32(grads["stack"]), np.float32(want[1]["stack"]), rtol=2e-2, atol=1e-3
     )
+
+
+def test_an_nnx_dropout_model_takes_each_microbatchs_key_through_reseed():
+    """The README's recipe for NNX dropout: split the RNG state beside the params, merge a copy
+    inside loss_fn and reseed its dropout stream with the microbatch's key."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.l2 = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(zbjax.stage_boundary(self.drop(jax.nn.relu(self.l1(x)))))
+
+    graphdef, params, rngs = nnx.split(Model(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+
+    def loss_fn(params, batch, key):
+        model = nnx.merge(graphdef, params, rngs, copy=True)
+        nnx.reseed(model, dropout=key)
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 1))}
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2)
+    losses = []
+    for seed in (1, 2):
+        key = jax.random.key(seed)
+        result = pipe.value_and_grad(params, batch, key=key)
+        assert_close(result, reference_value_and_grad(loss_fn, params, batch, 2, key=key))
+        losses.append(float(result[0]))
+    assert losses[0] != losses[1]  # the key reaches the dropout
+
+
+def test_layers_unrolled_over_a_stacked_param_hold_only_the_rows_each_stage_reads():
+    """``p["stack"][i]`` in a Python loop: a stage reading two of its rows held and
+    differentiated the whole stack (only a stage reading one slice held its rows)."""
+
+    def loss_fn(p, b):
+        h = b["x"]
+        for i in range(6):
+            if i in (1, 3, 5):
+                h = zbjax.stage_boundary(h)
+            h = jnp.tanh(h @ p["stack"][i])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {"stack": rng.normal(size=(6, 8, 8)) / 3}
+    batch = {"x": rng.normal(size=(8, 8)), "y": rng.normal(size=(8, 8))}
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(4), schedule="zb-h1", num_microbatches=2)
+    result = pipe.value_and_grad(params, batch)
+    assert [s.param_slices() for s in pipe.graph.stages] == [
+        ((0, 1),),
+        ((1, 3),),
+        ((3, 5),),
+        ((5, 6),),
+    ]
+    assert_close(result, jax.value_and_grad(loss_fn)(params, batch))
+    loss, grads = pipe.value_and_grad(pipe.stage(params), batch)
+    assert_close((loss, pipe.unstage(grads)), result)

@@ -16,15 +16,20 @@ nothing is compiled or run. Sub-jaxprs are followed:
 
 ``matmul_flops`` is exact and integer (it is what the "no recomputation" tests compare).
 ``jaxpr_cost`` is the estimate the auto-partitioner balances: matmul FLOPs plus
-``BYTES_WEIGHT`` times the bytes read and written by every other operation.
+``bytes_weight()`` times the bytes read and written by every other operation: the weight of
+the platform the program will run on (``BYTES_WEIGHT`` on accelerators, ``CPU_BYTES_WEIGHT``
+on CPUs; a pipeline estimates with its mesh's, ``costs_for``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 # FLOP-equivalents charged per byte a non-matmul operation reads or writes. A machine's balance
@@ -34,6 +39,41 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 # outputs overstates traffic: XLA fuses chains of elementwise ops into one kernel that reads
 # and writes each array once.
 BYTES_WEIGHT = 100.0
+
+# The same rule on a CPU, whose balance is far lower: XLA:CPU on the 2-core Intel Xeon of these
+# sessions ran matmuls at 214-476 GFLOP/s and fused elementwise chains at 7-54 GB/s, a median
+# of 10.6 FLOPs a byte (`python benchmarks/balance.py`), a third of which is 3. Charged 100 on
+# CPU, a weight decay term in the loss or the bfloat16 cast of a scanned stack (bytes of
+# parameters, no FLOPs) weighed as several layers, and the cut of a scan MLP into 4 stages
+# measured F+B+W max/mean 1.83 and 1.86; with 3, 1.30 and 1.43 (a plain one 1.06 either way).
+CPU_BYTES_WEIGHT = 3.0
+
+_WEIGHT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "zbjax_bytes_weight", default=None
+)
+
+
+def platform_bytes_weight(platform: str) -> float:
+    """Returns the FLOPs charged per byte moved on ``platform`` ("cpu", "gpu", "tpu", ...)."""
+    return CPU_BYTES_WEIGHT if platform == "cpu" else BYTES_WEIGHT
+
+
+def bytes_weight() -> float:
+    """Returns the FLOPs charged per byte moved: that of the platform set by ``costs_for``,
+    else of JAX's default backend."""
+    weight = _WEIGHT.get()
+    return platform_bytes_weight(jax.default_backend()) if weight is None else weight
+
+
+@contextlib.contextmanager
+def costs_for(platform: str) -> Iterator[None]:
+    """Estimates costs for ``platform`` (the devices a pipeline runs on) inside the block."""
+    token = _WEIGHT.set(platform_bytes_weight(platform))
+    try:
+        yield
+    finally:
+        _WEIGHT.reset(token)
+
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -76,7 +116,7 @@ def equation_matmul_flops(eqn: Any) -> int:
 
 
 def equation_cost(eqn: Any) -> float:
-    """Returns one equation's estimated cost: matmul FLOPs, else BYTES_WEIGHT * bytes moved.
+    """Returns one equation's estimated cost: matmul FLOPs, else ``bytes_weight()`` * bytes moved.
 
     Bytes moved are the bytes of the equation's inputs plus its outputs. For a ``gather`` (an
     embedding lookup) that is its whole operand although it reads only the rows it selects:
@@ -93,7 +133,7 @@ def equation_cost(eqn: Any) -> float:
     if any(True for _ in _sub_jaxprs(eqn)):
         return float(_combine_sub_jaxprs(eqn, jaxpr_cost, default=0.0))
     moved = avals_bytes(v.aval for v in eqn.invars) + avals_bytes(v.aval for v in eqn.outvars)
-    return BYTES_WEIGHT * moved
+    return bytes_weight() * moved
 
 
 def jaxpr_cost(jaxpr: Jaxpr | ClosedJaxpr) -> float:
