@@ -40,8 +40,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 # and writes each array once.
 BYTES_WEIGHT = 100.0
 
-# The same rule on a CPU, whose balance is far lower: XLA:CPU on the 2-core Intel Xeon of these
-# sessions ran matmuls at 214-476 GFLOP/s and fused elementwise chains at 7-54 GB/s, a median
+# The same rule on a CPU, whose balance is far lower: XLA:CPU on the 2-core AMD EPYC of session
+# 40 ran matmuls at 214-476 GFLOP/s and fused elementwise chains at 7-54 GB/s, a median
 # of 10.6 FLOPs a byte (`python benchmarks/balance.py`), a third of which is 3. Charged 100 on
 # CPU, a weight decay term in the loss or the bfloat16 cast of a scanned stack (bytes of
 # parameters, no FLOPs) weighed as several layers, and the cut of a scan MLP into 4 stages
