@@ -178,3 +178,7 @@ def test_the_reference_seeds_as_the_pipeline_so_a_loss_scaled_float16_model_stay
         np.testing.assert_allclose(g.astype(np.float32), w, atol=0.01 * np.abs(w).max())
     with pytest.raises(PipelineError, match=r"float32\[3\] loss; return one real"):
         reference_value_and_grad(lambda p, b: jnp.ones(3) * p, 1.0, batch, 4)
+    # A (loss, aux) pair without has_aux, or a loss in a list: named, as the pipeline names it.
+    for bad, kind in ((lambda p, b: (p, {"n": p}), "tuple"), (lambda p, b: [p], "list")):
+        with pytest.raises(PipelineError, match=f"returns a {kind}, not one.*has_aux=True"):
+            reference_value_and_grad(bad, 1.0, batch, 4)

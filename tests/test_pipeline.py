@@ -257,7 +257,12 @@ def test_unstage_of_many_leaves_compiles_nothing_per_leaf():
     assert len(_COMPILES) <= 1, len(_COMPILES)
     for name, value in back.items():
         np.testing.assert_array_equal(value, params[name])
-        assert value.sharding == NamedSharding(mesh, P())
+    # Uncommitted leaves: eager JAX takes them outside jax.set_mesh, also from an Explicit
+    # mesh's rows (placed replicated on the mesh they failed: "device assignment 1 ...").
+    explicit = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    on_explicit = zbjax.pipeline(loss_fn, mesh=explicit, num_microbatches=2)
+    unstaged = on_explicit.unstage(on_explicit.stage(params, {"x": jnp.ones((4, 3))}))
+    assert float(optax.tree.norm(unstaged)) == pytest.approx(float(optax.tree.norm(params)))
     with jax.set_mesh(mesh):  # traced, as before
         traced = jax.jit(pipe.unstage)(staged)
     jax.tree.map(np.testing.assert_array_equal, traced, params)
@@ -1670,3 +1675,30 @@ def test_layers_unrolled_over_a_stacked_param_hold_only_the_rows_each_stage_read
     assert_close(result, jax.value_and_grad(loss_fn)(params, batch))
     loss, grads = pipe.value_and_grad(pipe.stage(params), batch)
     assert_close((loss, pipe.unstage(grads)), result)
+
+
+@pytest.mark.parametrize("variant", ["stop_gradient", "comparison"])
+def test_a_value_reaching_the_loss_without_a_derivative_sends_no_cotangent_back(variant):
+    """A norm of a zero-initialised branch crossing to stage 1, read there only through
+    stop_gradient or a comparison: its zero cotangent times the norm's infinite derivative
+    at 0 made stage 0's grads NaN (JAX gives it a symbolic zero)."""
+
+    def loss_fn(p, x):
+        h = x @ p["w0"]
+        m = jnp.sqrt(jnp.sum((h * p["z"]) ** 2))
+        h, m = zbjax.stage_boundary((h, m))
+        if variant == "stop_gradient":
+            extra = jax.lax.stop_gradient(m)
+        else:
+            extra = (m > 1.0).astype(jnp.float32)
+        return jnp.mean((h @ p["w1"]) ** 2) + extra
+
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w0": jax.random.normal(k[0], (8, 8)),
+        "w1": jax.random.normal(k[1], (8, 8)),
+        "z": jnp.zeros((8,)),
+    }
+    x = jax.random.normal(k[2], (8, 8))
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2)
+    assert_close(pipe.value_and_grad(params, x), jax.value_and_grad(loss_fn)(params, x))

@@ -141,6 +141,7 @@ def test_text_form_is_one_line_per_device_and_parses_back():
         ("d0: 0F0\nd2: 1F0", r"\['d0', 'd2'\] do not name devices d0..d1"),
         ("d0: 0F0\n1F0", r"\['d0', '\?'\] do not name"),
         ("x: 0F0", "starts with 'x:', not a device label"),
+        ("d\u00b2: 0F0", "not a device label"),  # a superscript 2 is a digit to str.isdigit
     ):
         with pytest.raises(ScheduleError, match=problem):
             parse_actions(text)

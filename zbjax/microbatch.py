@@ -166,6 +166,9 @@ def reference_value_and_grad(
         out = loss_fn(*args)
         if has_aux:
             check_aux_pair(out)
+            check_loss_leaf(out[0], "the loss in loss_fn's (loss, aux) is")
+        else:
+            check_loss_leaf(out, "loss_fn returns")
         return out
 
     # Each backward is seeded as the pipeline seeds it: with the power of two 2^-k nearest
@@ -219,6 +222,17 @@ def reference_value_and_grad(
     mean = jax.tree.map(functools.partial(mean_of, scale=1.0 / shards), value_sum, dtypes[0])
     grads = jax.tree.map(functools.partial(mean_of, scale=2.0**power / shards), grad_sum, dtypes[1])
     return mean, grads
+
+
+def check_loss_leaf(out: Any, what: str, error: type[Exception] = PipelineError) -> None:
+    """Raises ``error`` when the loss is a container (a list or tuple of one loss, a (loss,
+    aux) pair without has_aux), which jax.value_and_grad refuses too: it needs one scalar."""
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(out)) or out is None:
+        raise error(
+            f"{what} a {type(out).__name__}, not one floating-point scalar; return the loss "
+            "alone as a float scalar (e.g. the mean loss over the batch), or return (loss, "
+            "aux) with metrics in aux and pass has_aux=True"
+        )
 
 
 def check_aux_pair(out: Any, error: type[Exception] = PipelineError) -> None:

@@ -78,7 +78,7 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError
 from zbjax.markers import is_stage_boundary
-from zbjax.microbatch import check_aux_leaves, check_aux_pair, check_key
+from zbjax.microbatch import check_aux_leaves, check_aux_pair, check_key, check_loss_leaf
 from zbjax.schedules.ir import count as whole_count
 from zbjax.stages import Edge, Stage, StageGraph, has_cotangent, key_data_aval, keys_as_data
 
@@ -365,10 +365,10 @@ def _trace(
             microbatch, microbatch_key = batch
             out = loss_fn(params, microbatch, microbatch_key)
         if not has_aux:
-            _check_loss_leaf(out, "loss_fn returns")
+            check_loss_leaf(out, "loss_fn returns", PartitionError)
             return out
         check_aux_pair(out, PartitionError)
-        _check_loss_leaf(out[0], "the loss in loss_fn's (loss, aux) is")
+        check_loss_leaf(out[0], "the loss in loss_fn's (loss, aux) is", PartitionError)
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(out[1])
         for path, leaf in with_paths:
             if not isinstance(leaf, jax.Array | np.ndarray | np.generic | float | int | complex):
@@ -431,17 +431,6 @@ def refuse_ordered_effects(jaxpr: Jaxpr, what: str) -> None:
             "ordered=True) or io_callback(..., ordered=True), which JAX runs on one device "
             "only, while a pipelined step runs on every device of the pipeline axis; pass "
             "ordered=False (a pipelined print then comes from each device and microbatch)"
-        )
-
-
-def _check_loss_leaf(out: Any, what: str) -> None:
-    """Raises PartitionError when the loss is a container (a list or tuple of one loss, say),
-    which jax.value_and_grad refuses too: it needs one scalar."""
-    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(out)) or out is None:
-        raise PartitionError(
-            f"{what} a {type(out).__name__}, not one floating-point scalar; return the loss "
-            "alone as a float scalar (e.g. the mean loss over the batch), or return (loss, "
-            "aux) with metrics in aux and pass has_aux=True"
         )
 
 
@@ -828,12 +817,19 @@ def _build_graph(
     computed = [{v for e in stage_eqns[s] for v in e.outvars} for s in range(count)]
     loss, aux = jaxpr.outvars[0], list(jaxpr.outvars[1:])
     reads[count - 1].extend([loss, *aux])
-    # Values the loss reads (transitively): only these carry cotangents between stages. One
-    # that reaches aux alone gets none, as JAX differentiates no aux (it got a zero, which a
-    # backward with an infinite derivative there, a norm at 0, turned into NaN).
+    # Values the loss depends on differentiably: only these carry cotangents between stages.
+    # One that reaches aux alone, or the loss only through stop_gradient or an integer or
+    # boolean value (a comparison), gets none, as JAX gives it a symbolic zero (it got a zero,
+    # which a backward with an infinite derivative there, a norm at 0, turned into NaN).
     to_loss = {loss} if isinstance(loss, Var) else set()
     for eqn in reversed(eqns):
-        if any(v in to_loss for v in eqn.outvars):
+        if eqn.primitive.name == "stop_gradient":
+            continue
+        reaches = [v in to_loss and has_cotangent(v.aval.dtype) for v in eqn.outvars]
+        if is_stage_boundary(eqn):  # the identity on each operand: operand i gives result i
+            pairs = zip(eqn.invars, reaches, strict=True)
+            to_loss.update(a for a, r in pairs if r and isinstance(a, Var))
+        elif any(reaches):
             to_loss.update(a for a in eqn.invars if isinstance(a, Var))
 
     def differentiable(v: Var) -> bool:

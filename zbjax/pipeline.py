@@ -735,9 +735,11 @@ class Pipeline:
         # Eagerly: slice the rows on the host. Slicing them on the devices ran one program per
         # leaf (a compile per distinct slice: 20 s for 1000 small leaves) and queued more
         # sharded executions than XLA:CPU's in-process collectives survive.
+        # The leaves are left uncommitted on the default device, as jnp.asarray leaves them:
+        # placed on the mesh (Explicit axes) they failed in eager JAX outside jax.set_mesh.
         host = jax.tree.map(np.asarray, replicated)
         leaves = unstage_leaves(built.lowering.layout, host)
-        placed = jax.device_put(leaves, NamedSharding(self.mesh, PartitionSpec()))
+        placed = [jnp.asarray(leaf) for leaf in leaves]
         return jax.tree_util.tree_unflatten(self._params_treedef, placed)
 
     def global_norm(self, tree: Any) -> jax.Array:

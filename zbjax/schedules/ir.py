@@ -330,7 +330,7 @@ def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
         if not colon:
             label, body = "", line
         label = label.strip()
-        if colon and not (label[:1] == "d" and label[1:].isdigit()):
+        if colon and not (label[:1] == "d" and label[1:].isascii() and label[1:].isdigit()):
             raise ScheduleError(
                 f"parse_actions: line {line!r} starts with {label + ':'!r}, not a device "
                 "label like 'd0:'; write 'd<device>: <actions>' (as Schedule.to_text() does) "
