@@ -56,6 +56,7 @@ from zbjax._jax_compat import (
     uninitialized,
 )
 from zbjax.errors import ScheduleError
+from zbjax.microbatch import backward_seed
 from zbjax.params import (
     StagedLayout,
     StagedParams,
@@ -956,11 +957,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     edges = tables.edges
     msg_dtypes, msg_cap = low.message_dtypes, low.message_capacity
     num_micro = low.schedule.num_microbatches
-    # Each microbatch's backward is seeded with the power of two 2^-k nearest below 1/m
-    # (exact in every float dtype, where 1/3 rounded to bfloat16 is 0.3340: every gradient
-    # 0.2 % off), and its param gradients scaled by the rest, 2^k / m, in their own dtype.
-    power = num_micro.bit_length() - 1
-    seed, grad_scale = 2.0**-power, 2.0**power / num_micro
+    # Each microbatch's backward is seeded with 2^-k and its param gradients scaled by 2^k / m
+    # (``backward_seed``), as reference_value_and_grad does.
+    seed, grad_scale = backward_seed(num_micro)
     loss_aval = graph.stages[graph.loss_stage].jaxpr.out_avals[0]
     stage = graph.stages[stage_index]
     program = low.programs[stage_index]

@@ -171,10 +171,9 @@ def reference_value_and_grad(
             check_loss_leaf(out, "loss_fn returns")
         return out
 
-    # Each backward is seeded as the pipeline seeds it: with the power of two 2^-k nearest
-    # below 1/m, the gradients then scaled by 2^k / m (in float32 where 16-bit). Seeded with 1,
-    # a loss-scaled float16 model's gradients overflowed here, m times the pipeline's.
-    power = num_microbatches.bit_length() - 1
+    # Each backward is seeded as the pipeline seeds it (``backward_seed``), the gradients then
+    # scaled in float32 where 16-bit.
+    seed, grad_scale = backward_seed(num_microbatches)
 
     def value_and_grad(params, *args):
         out = jax.vjp(lambda p: checked(p, *args), params, has_aux=has_aux)
@@ -185,7 +184,7 @@ def reference_value_and_grad(
                 f"loss_fn returned a {dtype}{list(jnp.shape(loss))} loss; return one real "
                 "floating-point scalar (e.g. the mean loss over the batch)"
             )
-        (grads,) = pullback(jnp.asarray(2.0**-power, dtype))
+        (grads,) = pullback(jnp.asarray(seed, dtype))
         # Integer (and bool) leaves get zero gradients of their own dtype, as the pipeline's.
         grads = jax.tree.map(_zero_if_float0, grads, params)
         return ((loss, out[2]) if has_aux else loss), grads
@@ -220,8 +219,20 @@ def reference_value_and_grad(
 
     shards = num_microbatches * data_parallel
     mean = jax.tree.map(functools.partial(mean_of, scale=1.0 / shards), value_sum, dtypes[0])
-    grads = jax.tree.map(functools.partial(mean_of, scale=2.0**power / shards), grad_sum, dtypes[1])
+    grads = jax.tree.map(
+        functools.partial(mean_of, scale=grad_scale / data_parallel), grad_sum, dtypes[1]
+    )
     return mean, grads
+
+
+def backward_seed(num_microbatches: int) -> tuple[float, float]:
+    """Returns (seed, scale): each microbatch's backward is seeded with ``seed``, the power of
+    two 2^-k nearest below 1/m (exact in every float dtype, where 1/3 rounded to bfloat16 is
+    0.3340: every gradient 0.2 % off; and as small as the whole batch's cotangents, where 1
+    overflowed a loss-scaled float16 model), and its gradients scaled by the rest,
+    ``scale`` = 2^k / m. The pipeline and ``reference_value_and_grad`` both use it."""
+    power = num_microbatches.bit_length() - 1
+    return 2.0**-power, 2.0**power / num_microbatches
 
 
 def check_loss_leaf(out: Any, what: str, error: type[Exception] = PipelineError) -> None:
