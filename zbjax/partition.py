@@ -951,7 +951,9 @@ def _row_sliced_params(
     params -- is read as those rows only: the stage takes the slice's result as its input, so
     its device holds and differentiates only those rows. So is a param whose only use is a
     cast (``astype``, the mixed-precision idiom) whose only use is such a slice: the stage
-    takes the rows and casts them.
+    takes the rows and casts them. A param read by several such slices (layers unrolled over
+    a stacked param) is read as the rows from the first to the last, which the slices then
+    slice.
     """
     uses: dict[Var, list[Any]] = {}
     for eqn in eqns:
@@ -970,13 +972,12 @@ def _row_sliced_params(
     added: list[Any] = []
     for v in param_vars:
         eqn = only_use(v)
-        span = _leading_rows(eqn, v) if eqn is not None else None
-        if span is not None:
-            rows.append(span)
+        slices = _row_slices(uses.get(v, []), v) if v not in returned else None
+        if slices is not None and len(slices) == 1:  # the slice's result is the input
+            rows.append(slices[0])
             inputs.append(eqn.outvars[0])
             dropped.append(eqn)
             continue
-        slices = _row_slices(uses.get(v, []), v) if v not in returned else None
         if slices is not None:
             lo, hi = min(a for a, _ in slices), max(b for _, b in slices)
             part = new_var(v.aval.update(shape=(hi - lo, *v.aval.shape[1:])))
@@ -1008,10 +1009,10 @@ def _row_sliced_params(
 
 
 def _row_slices(found: Sequence[Any], v: Var) -> list[tuple[int, int]] | None:
-    """Returns each use's [begin, end) rows when ``v`` is read by several static slices of
-    rows of its leading axis and nothing else (layers unrolled over a stacked param,
-    ``p["stack"][i]``) that leave some rows unread, else None."""
-    if len(found) < 2:
+    """Returns each use's [begin, end) rows when ``v`` is read by static slices of rows of its
+    leading axis and nothing else (one: a split scan's stacked params; several: layers unrolled
+    over a stacked param, ``p["stack"][i]``) that leave some rows unread, else None."""
+    if not found:
         return None
     slices = [_leading_rows(eqn, v) for eqn in found]
     if any(s is None for s in slices):

@@ -724,20 +724,20 @@ class Pipeline:
             )
         built = self._require_built("pipe.unstage()")
         self._check_staged(staged, built, widened=True)
-        replicated = _replicated(staged, self.mesh)
         local = all(
             not isinstance(r, jax.core.Tracer) and getattr(r, "is_fully_addressable", True)
-            for r in replicated.rows
+            for r in staged.rows
         )
         if not local:  # traced, or rows over other processes' devices: sliced as JAX values
-            leaves = unstage_leaves(built.lowering.layout, replicated)
+            leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
             return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
-        # Eagerly: slice the rows on the host. Slicing them on the devices ran one program per
-        # leaf (a compile per distinct slice: 20 s for 1000 small leaves) and queued more
-        # sharded executions than XLA:CPU's in-process collectives survive.
-        # The leaves are left uncommitted on the default device, as jnp.asarray leaves them:
-        # placed on the mesh (Explicit axes) they failed in eager JAX outside jax.set_mesh.
-        host = jax.tree.map(np.asarray, replicated)
+        # Eagerly: slice the rows on the host (NumPy reads a sharded row whole). Slicing them
+        # on the devices ran one program per leaf (a compile per distinct slice: 20 s for 1000
+        # small leaves) and queued more sharded executions than XLA:CPU's in-process
+        # collectives survive. The leaves are left uncommitted on the default device, as
+        # jnp.asarray leaves them: placed on the mesh (Explicit axes) they failed in eager JAX
+        # outside jax.set_mesh.
+        host = jax.tree.map(np.asarray, staged)
         leaves = unstage_leaves(built.lowering.layout, host)
         placed = [jnp.asarray(leaf) for leaf in leaves]
         return jax.tree_util.tree_unflatten(self._params_treedef, placed)
