@@ -8,7 +8,14 @@ pipelines them on 4 fake devices (1f1b, 4 microbatches) and times every stage's 
 ``pipe.measure_costs``: max/mean over the stages is 1 for a balanced cut. The models: plain;
 with a weight decay term in the loss (``1e-4 * sum(stack ** 2)``: bytes of parameters, no
 FLOPs); and with the parameters cast to bfloat16 at the top of the loss (the cast of the
-stack, also bytes only). Writes the section "balance" of ``benchmarks/RESULTS.md``.
+stack, also bytes only).
+
+Then the bytes a cut sends: the 4 devices shift messages of several sizes around a ring
+inside a ``shard_map`` (as the lowering's exchanges do), which gives the FLOPs a byte sent is
+worth (``cost_model.CPU_COMM_WEIGHT``); and the reference GPT with a 4096-token vocabulary
+is cut into 4 stages by the cost model without that weight, with it, and by markers between
+its blocks, each pipelined and its jitted step timed in alternating rounds. Writes the section
+"balance" of ``benchmarks/RESULTS.md``.
 
 Run: ``python benchmarks/balance.py [--repeats N]``.
 """
@@ -30,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _results import write_section
 from bw_split import machine_load
 
+from models import gpt
+
 COMMAND = "python benchmarks/balance.py"
 DEVICES = 4
 MICROBATCHES = 4
@@ -40,6 +49,12 @@ ELEMENTWISE_SIZES = (2**18, 2**20, 2**22, 2**24)
 #: The scan MLP: its width, layers and batch (microbatches of batch / MICROBATCHES rows).
 MLP = dict(width=64, layers=8, batch=256)
 SMOKE_MLP = dict(width=8, layers=4, batch=16)
+#: Message bytes shifted around the ring, and the ticks of one timed program.
+MESSAGE_SIZES = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22)
+RING_TICKS = 16
+#: The GPT whose logits outweigh its residual stream 128 times.
+VOCAB_GPT = dict(vocab_size=4096, num_layers=6, d_model=32, seq_len=16, batch=16)
+SMOKE_VOCAB_GPT = dict(vocab_size=4096, num_layers=4, d_model=16, seq_len=8, batch=8)
 
 
 def median_time(fn: Callable, *args, repeats: int) -> float:
@@ -127,6 +142,121 @@ def cut_balance(kind: str, weight: float, sizes: dict, repeats: int) -> dict:
     }
 
 
+def exchange_rate(repeats: int) -> list[tuple[int, float]]:
+    """Returns [(message bytes, seconds per tick)]: every device sends its message to the next
+    around a ring, ``RING_TICKS`` times in a ``lax.scan`` inside a ``shard_map``."""
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.make_mesh(
+        (DEVICES,),
+        ("pp",),
+        devices=jax.devices()[:DEVICES],
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
+    ring = [(d, (d + 1) % DEVICES) for d in range(DEVICES)]
+
+    def ticks(message):
+        def tick(carry, _):
+            return jax.lax.ppermute(carry * 1.5, "pp", ring), None
+
+        return jax.lax.scan(tick, message, None, length=RING_TICKS)[0]
+
+    step = jax.shard_map(
+        ticks, mesh=mesh, in_specs=PartitionSpec("pp"), out_specs=PartitionSpec("pp")
+    )
+    rates = []
+    for size in MESSAGE_SIZES:
+        messages = jnp.ones((DEVICES * size // 4,), jnp.float32)
+        rates.append((size, median_time(step, messages, repeats=repeats) / RING_TICKS))
+    return rates
+
+
+def vocab_cuts(sizes: dict, repeats: int) -> dict[str, dict]:
+    """Returns, per cut of the GPT ("no byte weight", "byte weight", "markers"), the largest
+    edge's bytes, the stages' predicted shares and the median step seconds, timed in
+    alternating rounds."""
+    import zbjax
+    from zbjax import cost_model
+
+    mesh = jax.make_mesh((DEVICES,), ("pp",), devices=jax.devices()[:DEVICES])
+    layers = sizes["num_layers"]
+    markers = tuple(layers * k // DEVICES for k in range(1, DEVICES))
+    variants = {"no byte weight": (0.0, ()), "byte weight": (cost_model.CPU_COMM_WEIGHT, ())}
+    variants["markers"] = (cost_model.CPU_COMM_WEIGHT, markers)
+    found, steps = {}, {}
+    for name, (weight, bounds) in variants.items():
+        cfg = gpt.GPTConfig(
+            **{k: v for k, v in sizes.items() if k != "batch"}, stage_boundaries=bounds
+        )
+        params = gpt.init_params(jax.random.key(0), cfg)
+        batch = gpt.make_batch(jax.random.key(1), cfg, batch_size=sizes["batch"])
+        kept = cost_model.CPU_COMM_WEIGHT
+        cost_model.CPU_COMM_WEIGHT = weight  # what the pipeline's CPU mesh cuts with
+        try:
+            pipe = zbjax.pipeline(
+                gpt.make_loss_fn(cfg), mesh=mesh, schedule="1f1b", num_microbatches=MICROBATCHES
+            )
+            staged = pipe.stage(params, batch)
+        finally:
+            cost_model.CPU_COMM_WEIGHT = kept
+        step = jax.jit(pipe.value_and_grad)
+        jax.block_until_ready(step(staged, batch))
+        steps[name] = (step, staged, batch)
+        cost = np.array([s.cost for s in pipe.graph.stages])
+        found[name] = {
+            "edge": max(sum(v.size * v.dtype.itemsize for v in e.values) for e in pipe.graph.edges),
+            "shares": [float(c) for c in cost / cost.sum()],
+            "times": [],
+        }
+    names = list(variants)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step, staged, batch = steps[name]
+            start = time.perf_counter()
+            jax.block_until_ready(step(staged, batch))
+            found[name]["times"].append(time.perf_counter() - start)
+    for name in names:
+        found[name]["step"] = statistics.median(found[name]["times"])
+    return found
+
+
+def comm_lines(ring: list[tuple[int, float]], gflops: float, vocab: dict[str, dict]) -> list[str]:
+    """Returns the markdown of the exchange rate and the vocabulary cuts."""
+    slope = float(np.polyfit([b for b, _ in ring], [t for _, t in ring], 1)[0])  # s per byte
+    rows = ["| message bytes | µs per tick |", "|---|---|"]
+    rows += [f"| {b:,} | {t * 1e6:.1f} |" for b, t in ring]
+    cut_rows = [
+        "| cut | largest edge (bytes) | predicted stage shares | step (ms) | step / markers |",
+        "|---|---|---|---|---|",
+    ]
+    base = vocab["markers"]["step"]
+    cut_rows += [
+        f"| {name} | {v['edge']:,} | {' / '.join(f'{x:.0%}' for x in v['shares'])} | "
+        f"{v['step'] * 1e3:.2f} | {v['step'] / base:.2f} |"
+        for name, v in vocab.items()
+    ]
+    g = VOCAB_GPT
+    return [
+        f"Bytes sent: {DEVICES} devices shift a message around a ring {RING_TICKS} times in "
+        "one jitted `shard_map` (medians per tick):",
+        "",
+        *rows,
+        "",
+        f"A least-squares line through them: {1 / slope / 1e9:.1f} GB/s per device, so at the "
+        f"matmuls' median {gflops:.0f} GFLOP/s a byte sent is worth {gflops * 1e9 * slope:.0f} "
+        "FLOPs (`cost_model.CPU_COMM_WEIGHT`; the cut charges two thirds of it per byte "
+        "crossing, an activation and its cotangent against F, B and W).",
+        "",
+        f"The reference GPT (vocabulary {g['vocab_size']}, {g['num_layers']} layers, d_model "
+        f"{g['d_model']}, sequence {g['seq_len']}, batch {g['batch']}) on {DEVICES} fake "
+        f"devices, 1f1b, m = {MICROBATCHES}, cut by the cost model without and with the weight "
+        "on bytes crossing, and by markers between its blocks; steps timed in alternating "
+        "rounds (medians):",
+        "",
+        *cut_rows,
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Returns 0 after measuring the balance and the cuts and writing the section."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -144,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in ("plain", "decay", "bfloat16")
         for w in weights
     }
+    ring = exchange_rate(args.repeats)
+    vocab = vocab_cuts(VOCAB_GPT, args.repeats)
     rows = ["| matmul width | GFLOP/s | elementwise elements | GB/s |", "|---|---|---|---|"]
     rows += [
         f"| {w} | {f:.1f} | {n:,} | {b:.2f} |" for (w, f), (n, b) in zip(flops, moved, strict=True)
@@ -159,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     body = "\n".join(
         [
-            "## The cost model's bytes weight on CPU",
+            "## The cost model's byte weights on CPU",
             "",
             f"Made by `{COMMAND} --repeats {args.repeats}` (jax {jax.__version__}, "
             f"{os.cpu_count()} CPU cores). Machine balance of XLA:CPU on one device (medians "
@@ -180,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "weights each stage holds (the stage computing the weight decay holds them all).",
             "",
             *cut_rows,
+            "",
+            *comm_lines(ring, statistics.median(f for _, f in flops), vocab),
             "",
             f"Machine load before: `{load_before}`; after: `{machine_load()}`. "
             f"Took {time.perf_counter() - began:.0f} s.",

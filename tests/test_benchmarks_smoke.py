@@ -473,3 +473,16 @@ def test_balance_cuts_a_scan_mlp_with_a_bytes_weight_and_times_its_stages():
     cut = balance.cut_balance("decay", 3.0, balance.SMOKE_MLP, repeats=1)
     assert len(cut["layers"]) == balance.DEVICES and cut["measured"] >= 1.0
     assert cut["layers"][-1] == balance.SMOKE_MLP["layers"]  # the decay reads the whole stack
+
+
+def test_balance_times_the_ring_exchange_and_the_vocabulary_cuts():
+    ring = balance.exchange_rate(repeats=1)
+    assert [b for b, _ in ring] == list(balance.MESSAGE_SIZES) and all(t > 0 for _, t in ring)
+    vocab = balance.vocab_cuts(balance.SMOKE_VOCAB_GPT, repeats=1)
+    assert list(vocab) == ["no byte weight", "byte weight", "markers"]
+    # Without the weight on bytes crossing, the cut sends the logits; with it, it does not.
+    g = balance.SMOKE_VOCAB_GPT
+    logits = g["batch"] // balance.MICROBATCHES * g["seq_len"] * g["vocab_size"] * 4
+    assert vocab["no byte weight"]["edge"] >= logits > vocab["byte weight"]["edge"]
+    lines = balance.comm_lines(ring, 100.0, vocab)
+    assert any("FLOPs (`cost_model.CPU_COMM_WEIGHT`" in line for line in lines)

@@ -8,10 +8,16 @@ from jax.sharding import PartitionSpec as P
 from zbjax import stage_boundary
 from zbjax.cost_model import (
     BYTES_WEIGHT,
+    COMM_FREE_BYTES,
+    COMM_WEIGHT,
     CPU_BYTES_WEIGHT,
+    CPU_COMM_FREE_BYTES,
+    CPU_COMM_WEIGHT,
     aval_bytes,
     avals_bytes,
     bytes_weight,
+    comm_free_bytes,
+    comm_weight,
     costs_for,
     equation_cost,
     jaxpr_cost,
@@ -122,7 +128,11 @@ def test_equation_cost_is_flops_for_matmuls_and_weighted_bytes_otherwise():
         assert equation_cost(tanh) == BYTES_WEIGHT * (2 * 3 * 7 * 4)
         with costs_for("cpu"):
             assert bytes_weight() == CPU_BYTES_WEIGHT
+            assert comm_weight() == CPU_COMM_WEIGHT
+            assert comm_free_bytes() == CPU_COMM_FREE_BYTES
         assert bytes_weight() == BYTES_WEIGHT
+        assert (comm_weight(), comm_free_bytes()) == (COMM_WEIGHT, COMM_FREE_BYTES)
+    assert (comm_weight(), comm_free_bytes()) == (CPU_COMM_WEIGHT, CPU_COMM_FREE_BYTES)
 
 
 def test_jaxpr_cost_scales_scan_bodies_by_length():

@@ -48,8 +48,29 @@ BYTES_WEIGHT = 100.0
 # measured F+B+W max/mean 1.83 and 1.86; with 3, 1.30 and 1.43 (a plain one 1.06 either way).
 CPU_BYTES_WEIGHT = 3.0
 
-_WEIGHT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "zbjax_bytes_weight", default=None
+# FLOP-equivalents charged per byte one pipeline device sends to the next (an activation in
+# F, its cotangent in B): the automatic cut weighs the bytes crossing a cut with it, since the
+# lowering sends every tick's messages in slots as large as the largest edge's. Peak matmul
+# FLOP/s over one link's bandwidth: ~2,200 on an H100 over NVLink (989 TFLOP/s bf16, 450 GB/s
+# each way), ~1,000 on an A100 (312 TFLOP/s, 300 GB/s), several times more between hosts;
+# nothing is fused away from a transfer, so the whole balance is charged.
+COMM_WEIGHT = 2000.0
+
+# Messages up to this size cost a tick about what an empty one does (the exchange's latency,
+# paid wherever the cut goes, dominates): only the bytes beyond it are charged. ~1 MiB is a
+# GPU link's latency (some microseconds) times its bandwidth.
+COMM_FREE_BYTES = 2**20
+
+# The same on a CPU mesh: 4 XLA:CPU devices of the 2-core AMD EPYC of session 41 shifting a
+# message around a ring inside a shard_map moved 4.0 GB/s each while one ran matmuls at
+# 468 GFLOP/s: 116 FLOPs a byte (`python benchmarks/balance.py`, section "balance").
+CPU_COMM_WEIGHT = 116.0
+
+# There a tick shifting 64 KiB took 60 us, one shifting 4 KiB 54 us, one of 256 KiB 158 us.
+CPU_COMM_FREE_BYTES = 2**16
+
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "zbjax_cost_platform", default=None
 )
 
 
@@ -58,21 +79,47 @@ def platform_bytes_weight(platform: str) -> float:
     return CPU_BYTES_WEIGHT if platform == "cpu" else BYTES_WEIGHT
 
 
+def platform_comm_weight(platform: str) -> float:
+    """Returns the FLOPs charged per byte sent between pipeline devices on ``platform``."""
+    return CPU_COMM_WEIGHT if platform == "cpu" else COMM_WEIGHT
+
+
+def platform_comm_free_bytes(platform: str) -> int:
+    """Returns the message bytes on ``platform`` below which a byte sent is not charged."""
+    return CPU_COMM_FREE_BYTES if platform == "cpu" else COMM_FREE_BYTES
+
+
+def _platform() -> str:
+    platform = _PLATFORM.get()
+    return jax.default_backend() if platform is None else platform
+
+
 def bytes_weight() -> float:
     """Returns the FLOPs charged per byte moved: that of the platform set by ``costs_for``,
     else of JAX's default backend."""
-    weight = _WEIGHT.get()
-    return platform_bytes_weight(jax.default_backend()) if weight is None else weight
+    return platform_bytes_weight(_platform())
+
+
+def comm_weight() -> float:
+    """Returns the FLOPs charged per byte sent between pipeline devices: that of the platform
+    set by ``costs_for``, else of JAX's default backend."""
+    return platform_comm_weight(_platform())
+
+
+def comm_free_bytes() -> int:
+    """Returns the message bytes below which a byte sent is not charged, on the platform set
+    by ``costs_for``, else on JAX's default backend."""
+    return platform_comm_free_bytes(_platform())
 
 
 @contextlib.contextmanager
 def costs_for(platform: str) -> Iterator[None]:
     """Estimates costs for ``platform`` (the devices a pipeline runs on) inside the block."""
-    token = _WEIGHT.set(platform_bytes_weight(platform))
+    token = _PLATFORM.set(platform)
     try:
         yield
     finally:
-        _WEIGHT.reset(token)
+        _PLATFORM.reset(token)
 
 
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})

@@ -17,8 +17,10 @@ Stage assignment:
 - **Automatic** (no markers, ``num_stages`` given). *Activations* are the values that depend
   on both a batch leaf and a param leaf. Activation equations, in traced order, are cut into
   ``num_stages`` contiguous groups minimising the largest group cost
-  (``cost_model.equation_cost``); among near-optimal cuts (within ``AUTO_SLACK``) those with
-  fewer live activation bytes are preferred. A ``scan`` over layers counts as ``length`` units,
+  (``cost_model.equation_cost``) plus the most live activation bytes crossing a cut, weighed
+  by ``cost_model.comm_weight()`` (every tick's messages travel in slots as large as the
+  largest edge's); among near-optimal cuts (within ``AUTO_SLACK``) those with fewer live
+  activation bytes are preferred. A ``scan`` over layers counts as ``length`` units,
   and a scan cut inside is rewritten into several scans over iteration ranges (the scanned-over
   inputs, stacked params included, sliced along axis 0; the carry threaded; the stacked outputs
   concatenated). Each such stage reads the whole stacked param leaf and slices its range.
@@ -1172,7 +1174,8 @@ def _auto_cut(
     if cut is not None and cut[0] == len(units) and len(cut[1]) == count:
         starts = list(cut[1])
     else:
-        starts = _choose_cuts(costs, live, count)
+        comm = _SENDS_PER_COMPUTE * cost_model.comm_weight()
+        starts = _choose_cuts(costs, live, count, comm, cost_model.comm_free_bytes())
         warn_whole_regions([(eqns[u.eqn], c) for u, c in zip(units, costs, strict=True)], count)
     cut = (len(units), tuple(int(s) for s in starts))
     unit_stage = np.zeros(len(units), dtype=int)
@@ -1251,9 +1254,13 @@ def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int
     for i, lo in first_unit.items():
         eqn = eqns[i]
         length = eqn.params["length"] if _splittable_scan(eqn) else 1
-        for v in eqn.invars:
+        # A scan's carry's initial value is read by its first iteration only (the carry
+        # crosses the later boundaries, counted below); its consts and xs by every iteration.
+        num_consts, num_carry = scan_counts(eqn.params) if length > 1 else (0, 0)
+        for j, v in enumerate(eqn.invars):
             if isinstance(v, Var) and v in defined:
-                last_read[v] = max(last_read.get(v, 0), lo + length - 1)
+                read = lo if num_consts <= j < num_consts + num_carry else lo + length - 1
+                last_read[v] = max(last_read.get(v, 0), read)
         for v in eqn.outvars:
             defined[v] = lo + length - 1
         if length > 1:  # inside a scan the carry crosses every iteration boundary
@@ -1271,70 +1278,162 @@ def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int
     return list(np.cumsum(delta)[:n])
 
 
-def _choose_cuts(costs: list[float], live: list[float], count: int) -> list[int]:
+#: The bytes crossing a cut are sent twice per microbatch (the activation in F, its cotangent in
+#: B) while a stage computes F, B and W, about three forward costs: in forward-cost units a
+#: crossing byte costs this share of ``cost_model.comm_weight()``.
+_SENDS_PER_COMPUTE = 2.0 / 3.0
+
+#: The most bounds on the bytes crossing a cut that ``_choose_cuts`` tries.
+_CROSSING_LIMITS = 64
+
+
+def _choose_cuts(
+    costs: Sequence[float],
+    live: Sequence[float],
+    count: int,
+    comm: float = 0.0,
+    free: float = 0.0,
+) -> list[int]:
     """Returns the first unit of each of ``count`` contiguous groups (starts[0] == 0).
 
-    The largest group cost is minimised (bisection on the bound, greedy packing); then each cut
-    moves, within ``AUTO_SLACK`` of that bound, to the position with the fewest live bytes.
+    Minimises the largest group cost plus ``comm`` times the most live bytes crossing a cut
+    beyond ``free`` (the lowering's message slots are as large as the largest edge, and a
+    message up to ``free`` bytes costs what an empty one does): over each bound on the
+    bytes crossing, the cuts crossing at most that many are considered, and the largest group
+    cost they allow is found by bisection on it with greedy packing. Then each cut moves,
+    within ``AUTO_SLACK`` of that cost, to the allowed position with the fewest live bytes.
     A group is also no larger than the groups after it will be (an even split of the rest, or
     its largest unit), beyond its own first unit and ``AUTO_SLACK``: when one unit sets the
     bound (a large embedding, say), the others are still spread over the other groups
-    instead of piling into one.
+    instead of piling into one; and among the positions crossing as few bytes, each cut goes
+    nearest an even split of what is left, in which a stretch that cannot be split and is
+    larger than its share (a vocabulary's head) counts as a group of its own.
     """
     prefix = np.concatenate([[0.0], np.cumsum(costs)])
     n = len(costs)
     if count == 1:
         return [0]
-
-    def groups_needed(bound: float) -> int:
-        # Greedy packing: each group takes as many units as fit; jump group by group.
-        groups, start = 0, 0
-        while start < n:
-            end = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
-            groups, start = groups + 1, max(end, start + 1)
-        return groups
-
-    lo, hi = max(costs), float(prefix[-1])
-    for _ in range(100):
-        if hi - lo <= 1e-9 * max(hi, 1.0):
-            break
-        mid = 0.5 * (lo + hi)
-        if groups_needed(mid) <= count:
-            hi = mid
-        else:
-            lo = mid
-    bound = hi * (1.0 + AUTO_SLACK)
+    live = np.asarray(live, dtype=float)
+    # Positions a cut may go to (before unit p, 1 <= p < n): those crossing at most the chosen
+    # number of bytes.
+    positions = _allowed_positions(prefix, costs, np.maximum(live - free, 0.0), count, comm)
+    bound = _largest_group(prefix, costs, count, positions) * (1.0 + AUTO_SLACK)
     largest_after = np.maximum.accumulate(np.asarray(costs, dtype=float)[::-1])[::-1]
+    allowed = len(positions)
     # earliest[k]: the first position group k may start at so that groups k .. count - 1 still
-    # fit the bound (packed greedily from the end).
+    # fit the bound (packed greedily from the end, each starting at an allowed position and
+    # leaving allowed positions for the groups before it).
     earliest = [0] * (count + 1)
     earliest[count] = n
     for k in range(count - 1, 0, -1):
-        p = earliest[k + 1] - 1
-        while p - 1 >= k and prefix[earliest[k + 1]] - prefix[p - 1] <= bound:
-            p -= 1
-        earliest[k] = p
+        end = earliest[k + 1]
+        j = int(np.searchsorted(positions, end)) - 1  # the last allowed position before end
+        while j - 1 >= k - 1 and prefix[end] - prefix[positions[j - 1]] <= bound:
+            j -= 1
+        earliest[k] = int(positions[j])
     starts = [0]
     for k in range(1, count):
         prev = starts[-1]
         best = None
-        share = (prefix[-1] - prefix[prev]) / (count - k + 1)  # an even split of what is left
+        share = _even_share(prefix, positions, prev, count - k + 1)
         first = max(prev + 1, earliest[k])
-        # Group k - 1 = [prev, p) must fit the bound and leave one unit per later group; and
-        # it is no larger than the later groups will be (estimated: an even split of the
-        # rest, or its largest unit), except by its own first unit or AUTO_SLACK of them.
-        for p in range(first, n - (count - k) + 1):
+        # Group k - 1 = [prev, p) must fit the bound and leave one allowed position per later
+        # group; and it is no larger than the later groups will be (estimated: an even split
+        # of the rest, or its largest unit), except by its own first unit or AUTO_SLACK of
+        # them.
+        lo = max(int(np.searchsorted(positions, first)), k - 1)
+        candidates = [int(p) for p in positions[lo : allowed - (count - k) + 1]]
+        for p in candidates:
             group = prefix[p] - prefix[prev]
             if group > bound:
                 break
             later = max(largest_after[p], (prefix[-1] - prefix[p]) / (count - k))
-            if p > first and group > max(costs[prev], later) + later * AUTO_SLACK:
+            if p > candidates[0] and group > max(costs[prev], later) + later * AUTO_SLACK:
                 continue
             score = (live[p], abs(prefix[p] - prefix[prev] - share))
             if best is None or score < best[0]:
                 best = (score, p)
-        starts.append(best[1] if best is not None else first)
+        starts.append(best[1] if best is not None else candidates[0])
     return starts
+
+
+def _even_share(prefix: np.ndarray, positions: np.ndarray, start: int, groups: int) -> float:
+    """Returns the cost each of ``groups`` groups cut from ``start`` on would have split evenly,
+    where the stretches between allowed positions cannot be split: one larger than the even
+    split of what is left takes a group of its own, and the others share the rest."""
+    ends = np.concatenate([[start], positions[positions > start], [len(prefix) - 1]])
+    pieces = sorted(np.diff(prefix[ends]), reverse=True)
+    rest = float(prefix[-1] - prefix[start])
+    for piece in pieces:
+        if groups <= 1 or piece <= rest / groups:
+            break
+        rest, groups = rest - piece, groups - 1
+    return rest / groups
+
+
+def _allowed_positions(
+    prefix: np.ndarray, costs: Sequence[float], live: np.ndarray, count: int, comm: float
+) -> np.ndarray:
+    """Returns the cut positions (1 <= p < n) crossing at most the live bytes that minimise
+    the largest group cost plus ``comm`` times those bytes."""
+    n = len(costs)
+    everywhere = np.arange(1, n)
+    if comm <= 0.0:
+        return everywhere
+    crossing = np.sort(live[1:])
+    # At least count - 1 positions are needed; each larger distinct value admits more. Many
+    # distinct values (thousands of units, all crossing different bytes) are thinned to
+    # ``_CROSSING_LIMITS`` of them, evenly spaced in their order, the least and most kept.
+    limits = np.unique(crossing[count - 2 :])
+    if len(limits) > _CROSSING_LIMITS:
+        spaced = np.linspace(0, len(limits) - 1, _CROSSING_LIMITS).round().astype(int)
+        limits = limits[np.unique(spaced)]
+    floor = max(max(costs), prefix[-1] / count)  # no cut does better than this
+    best_score, best_limit = np.inf, limits[-1]
+    for limit in limits:
+        if floor + comm * limit >= best_score:
+            break  # larger limits only add to the communication term
+        positions = everywhere[live[1:] <= limit]
+        if _groups_needed(prefix, positions, best_score - comm * limit) > count:
+            continue  # cannot beat the best found
+        score = _largest_group(prefix, costs, count, positions) + comm * limit
+        if score < best_score:
+            best_score, best_limit = score, limit
+    return everywhere[live[1:] <= best_limit]
+
+
+def _groups_needed(prefix: np.ndarray, positions: np.ndarray, bound: float) -> int:
+    """Returns how many groups of cost at most ``bound`` greedy packing needs, each group
+    ending at an allowed position (or the end); a huge number when one unit cannot fit."""
+    n = len(prefix) - 1
+    ends = np.append(positions, n)
+    groups, start = 0, 0
+    while start < n:
+        reach = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
+        last = int(np.searchsorted(ends, reach, side="right")) - 1  # the furthest end in reach
+        if last < 0 or ends[last] <= start:
+            return n + 1
+        groups, start = groups + 1, int(ends[last])
+    return groups
+
+
+def _largest_group(
+    prefix: np.ndarray, costs: Sequence[float], count: int, positions: np.ndarray
+) -> float:
+    """Returns the least largest group cost of ``count`` groups cut at allowed positions
+    (bisection to a relative 1e-9)."""
+    lo, hi = max(costs), float(prefix[-1])
+    if _groups_needed(prefix, positions, lo) <= count:
+        return float(lo)
+    for _ in range(100):
+        if hi - lo <= 1e-9 * max(hi, 1.0):
+            break
+        mid = 0.5 * (lo + hi)
+        if _groups_needed(prefix, positions, mid) <= count:
+            hi = mid
+        else:
+            lo = mid
+    return float(hi)
 
 
 def _split_scans(
