@@ -87,6 +87,22 @@ def test_symbolic_zero_cotangents_and_non_float_leaves_pass_through():
     np.testing.assert_allclose(jax.hessian(lambda x: jnp.sum(stage_boundary(x) ** 3))(x)[1, 1], 6.0)
 
 
+def test_grad_through_a_marker_on_a_scan_s_ys_the_loss_ignores():
+    # The marker hands the scan's transpose a zero cotangent for its stacked outputs: jax 0.10
+    # failed on a symbolic one ("Expected cotangent type float32[4] but got float32[2,4]").
+    def loss(stack, x, mark):
+        h, ys = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), jnp.sum(c, axis=1)), x, stack)
+        if mark:
+            ys, h = stage_boundary((ys, h))
+        return jnp.mean(h**2)
+
+    stack, x = jnp.full((2, 8, 8), 0.1), jnp.ones((4, 8))
+    got = jax.value_and_grad(loss)(stack, x, True)
+    want = jax.value_and_grad(loss)(stack, x, False)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-6)
+
+
 def test_marker_under_jit_vmap_eval_shape_and_checkpoint():
     w, x = _params()
     want = _plain(w, x)

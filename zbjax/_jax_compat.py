@@ -137,6 +137,21 @@ def replace_equation(eqn: Any, invars: Sequence[Any], outvars: Sequence[Var], pa
     )
 
 
+def register_identity_dce(primitive: Any) -> None:
+    """Lets JAX's dead-code elimination drop the unused results of ``primitive``, whose result
+    i is its operand i, together with those operands (the whole equation when none is used)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def rule(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+        if not any(used_outputs):
+            return [False] * len(eqn.invars), None
+        invars = [v for v, used in zip(eqn.invars, used_outputs, strict=True) if used]
+        outvars = [v for v, used in zip(eqn.outvars, used_outputs, strict=True) if used]
+        return list(used_outputs), replace_equation(eqn, invars, outvars, eqn.params)
+
+    pe.dce_rules[primitive] = rule
+
+
 def dce_closed_jaxpr(closed: ClosedJaxpr, used_outputs: Sequence[bool]) -> ClosedJaxpr:
     """Returns ``closed`` with only the used outputs and the equations they need.
 

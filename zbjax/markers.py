@@ -16,6 +16,8 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from zbjax._jax_compat import register_identity_dce
+
 T = TypeVar("T")
 
 STAGE_BOUNDARY = Primitive("stage_boundary")
@@ -68,7 +70,9 @@ def _jvp(primals: list[Any], tangents: list[Any], *, name: str | None) -> tuple[
 
 def _transpose(cts: list[Any], *args: Any, name: str | None) -> list[Any]:
     # The identity is its own transpose. Inputs that are not linear (known primals) get no
-    # cotangent; symbolic-zero cotangents stay symbolic zeros of the input's aval.
+    # cotangent; symbolic-zero cotangents stay symbolic zeros of the input's aval (zeros made
+    # real would flow on into the backward of what the loss reads without a derivative, a
+    # norm at 0 say, and make its gradient 0 * inf = NaN where JAX's is finite).
     result: list[Any] = [None] * len(args)
     live = []
     for i, (ct, arg) in enumerate(zip(cts, args, strict=True)):
@@ -101,3 +105,9 @@ ad.primitive_jvps[STAGE_BOUNDARY] = _jvp
 ad.primitive_transposes[STAGE_BOUNDARY] = _transpose
 batching.primitive_batchers[STAGE_BOUNDARY] = _batch
 mlir.register_lowering(STAGE_BOUNDARY, _lower)
+# Dead-code elimination drops the results nothing reads, with their operands, as it would
+# without the marker. Kept, an unused result held its value alive: a scan's stacked ys that
+# the loss ignores stayed in the linearized program, and jax 0.10's transpose of the scan
+# failed on their symbolic-zero cotangent ("Expected cotangent type float32[4] but got
+# float32[2,4]").
+register_identity_dce(STAGE_BOUNDARY)
