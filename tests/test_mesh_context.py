@@ -110,6 +110,12 @@ def test_inputs_committed_to_other_devices_are_named():
     with jax.set_mesh(permuted), pytest.raises(zbjax.PipelineError, match="another order"):
         jax.jit(pipe.value_and_grad)(params, batch)
     staged = pipe.stage(on_one, batch)  # staging moves them onto the mesh
+    # Staged rows moved to one device (a checkpoint restored there): the fix is to bring them
+    # back, through the host, which the step takes.
+    with pytest.raises(zbjax.PipelineError, match=r"rows are committed .* jax.device_get"):
+        pipe.value_and_grad(jax.device_put(staged, jax.devices()[0]), batch)
+    on_host = pipe.value_and_grad(jax.device_get(jax.device_put(staged, jax.devices()[0])), batch)
+    assert_close(on_host, pipe.value_and_grad(staged, batch))
     assert_close(
         (lambda r: (r[0], pipe.unstage(r[1])))(pipe.value_and_grad(staged, batch)),
         reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2),
@@ -332,4 +338,17 @@ def test_a_call_inside_shard_map_says_the_step_is_a_shard_map_itself():
         check_vma=False,
     )
     with pytest.raises(zbjax.PipelineError, match="inside jax.shard_map or jax.pmap .* outside"):
+        jax.jit(inside)(params, batch)
+    # Manual over one axis of a 2-axis mesh: only that axis is named manual.
+    mesh = mesh_2x2(("pp", "dp"), EXPLICIT)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    inside = jax.shard_map(
+        lambda p, b: pipe.value_and_grad(p, b)[0],
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+        axis_names={"dp"},
+        check_vma=False,
+    )
+    with pytest.raises(zbjax.PipelineError, match=r"mesh's axis 'dp' is manual there"):
         jax.jit(inside)(params, batch)

@@ -1649,6 +1649,52 @@ def test_an_nnx_dropout_model_takes_each_microbatchs_key_through_reseed():
     assert losses[0] != losses[1]  # the key reaches the dropout
 
 
+def test_nnx_layers_scanned_with_a_dropout_key_each_reseed_with_match_shape():
+    """The README's note for NNX's scan-over-layers pattern (nnx.split_rngs + nnx.vmap, run
+    by nnx.scan): its dropout stream holds one key per layer, which nnx.reseed takes with
+    policy="match_shape"; the automatic cut splits the scan."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.drop(jnp.tanh(self.linear(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs):
+                return Block(rngs)
+
+            self.blocks = blocks(rngs)
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(h, block):
+                return block(h)
+
+            return self.out(run(x, self.blocks))
+
+    graphdef, params, rngs = nnx.split(Model(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+
+    def loss_fn(params, batch, key):
+        model = nnx.merge(graphdef, params, rngs, copy=True)
+        nnx.reseed(model, dropout=key, policy="match_shape")
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    batch = {"x": jnp.ones((8, 8)), "y": jnp.zeros((8, 1))}
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2)
+    key = jax.random.key(3)
+    result = pipe.value_and_grad(params, batch, key=key)
+    assert_close(result, reference_value_and_grad(loss_fn, params, batch, 2, key=key))
+    assert all(s.param_rows for s in pipe.graph.stages)  # each stage runs some of the layers
+
+
 def test_layers_unrolled_over_a_stacked_param_hold_only_the_rows_each_stage_reads():
     """``p["stack"][i]`` in a Python loop: a stage reading two of its rows held and
     differentiated the whole stack (only a stage reading one slice held its rows)."""
@@ -1702,3 +1748,19 @@ def test_a_value_reaching_the_loss_without_a_derivative_sends_no_cotangent_back(
     x = jax.random.normal(k[2], (8, 8))
     pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2)
     assert_close(pipe.value_and_grad(params, x), jax.value_and_grad(loss_fn)(params, x))
+
+
+def test_a_symbolic_batch_size_is_refused_naming_the_leaf():
+    """jax.export with a shape-polymorphic batch size failed with a TypeError from the cost
+    model (float() of a symbolic FLOP count)."""
+    from jax import export
+
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+    (rows,) = export.symbolic_shape("8*k")
+    batch = jax.eval_shape(lambda: mlp.make_batch(jax.random.key(1), MLP_CFG, 8))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), batch)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    with pytest.raises(zbjax.PipelineError, match=r"batch leaf .* symbolic dimension .* concrete"):
+        export.export(jax.jit(pipe.value_and_grad))(shapes, batch)

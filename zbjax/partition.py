@@ -295,6 +295,13 @@ def flat_avals(
                 f"numbers only; take it out of the {what} (close over it in loss_fn or bind it "
                 "with functools.partial), or make it an array"
             ) from None
+        if not all(isinstance(d, int | np.integer) for d in avals[-1].shape):
+            raise error(
+                f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} has "
+                f"shape {avals[-1].shape}, with a symbolic dimension (jax.export's "
+                "symbolic_shape): a pipeline's stages, schedule and buffers are built for "
+                "concrete shapes; export with concrete shapes, one export per batch size"
+            )
     return tuple(avals), treedef
 
 

@@ -481,9 +481,15 @@ class Pipeline:
         ``jax.set_mesh`` context of another mesh around the call."""
         context = jax.sharding.get_abstract_mesh()
         if not context.empty and jax.sharding.AxisType.Manual in context.axis_types:
+            manual = [
+                repr(n)
+                for n, t in zip(context.axis_names, context.axis_types, strict=True)
+                if t == jax.sharding.AxisType.Manual
+            ]
+            named = f"axes {', '.join(manual)} are" if len(manual) > 1 else f"axis {manual[0]} is"
             raise PipelineError(
-                "the call runs inside jax.shard_map or jax.pmap (the mesh's axes "
-                f"{', '.join(repr(n) for n in context.axis_names)} are manual there), but a "
+                f"the call runs inside jax.shard_map or jax.pmap (the mesh's {named} manual "
+                "there), but a "
                 "pipelined step is itself a shard_map over pipe.mesh; call pipe.value_and_grad "
                 "outside it (inside jax.jit is fine), and let the mesh's other axes do the "
                 "data parallelism"
@@ -538,10 +544,13 @@ class Pipeline:
                 if elsewhere(x):
                     ids = sorted(d.id for d in x.sharding.device_set)
                     name = f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ')'} is"
-                    if isinstance(tree, StagedParams):  # staged by a pipeline on other devices
+                    if isinstance(tree, StagedParams):  # moved, or staged on other devices
                         name = "the staged params' rows are"
                         fix = (
-                            "stage them with this pipeline: pipe.stage(other_pipe.unstage(staged))"
+                            "bring them to this pipeline's devices: pass jax.device_get(staged) "
+                            "(the step takes rows on the host) or pipe.stage(pipe.unstage("
+                            "staged)); rows another pipeline staged: "
+                            "pipe.stage(other_pipe.unstage(staged))"
                         )
                     else:
                         fix = (
