@@ -222,6 +222,8 @@ def vocab_cuts(sizes: dict, repeats: int) -> dict[str, dict]:
 
 def comm_lines(ring: list[tuple[int, float]], gflops: float, vocab: dict[str, dict]) -> list[str]:
     """Returns the markdown of the exchange rate and the vocabulary cuts."""
+    from zbjax import cost_model
+
     slope = float(np.polyfit([b for b, _ in ring], [t for _, t in ring], 1)[0])  # s per byte
     rows = ["| message bytes | µs per tick |", "|---|---|"]
     rows += [f"| {b:,} | {t * 1e6:.1f} |" for b, t in ring]
@@ -244,13 +246,15 @@ def comm_lines(ring: list[tuple[int, float]], gflops: float, vocab: dict[str, di
         "",
         f"A least-squares line through them: {1 / slope / 1e9:.1f} GB/s per device, so at the "
         f"matmuls' median {gflops:.0f} GFLOP/s a byte sent is worth {gflops * 1e9 * slope:.0f} "
-        "FLOPs (`cost_model.CPU_COMM_WEIGHT`; the cut charges two thirds of it per byte "
-        "crossing, an activation and its cotangent against F, B and W).",
+        "FLOPs (what `cost_model.CPU_COMM_WEIGHT` is set from; the cut charges two thirds of "
+        "it per byte crossing, an activation and its cotangent against F, B and W).",
         "",
         f"The reference GPT (vocabulary {g['vocab_size']}, {g['num_layers']} layers, d_model "
         f"{g['d_model']}, sequence {g['seq_len']}, batch {g['batch']}) on {DEVICES} fake "
         f"devices, 1f1b, m = {MICROBATCHES}, cut by the cost model without and with the weight "
-        "on bytes crossing, and by markers between its blocks; steps timed in alternating "
+        f"on bytes crossing (`CPU_COMM_WEIGHT` = {cost_model.CPU_COMM_WEIGHT:g}, beyond "
+        f"{cost_model.CPU_COMM_FREE_BYTES:,} bytes a message: the constant, set from an earlier "
+        "run of this script), and by markers between its blocks; steps timed in alternating "
         "rounds (medians):",
         "",
         *cut_rows,

@@ -476,6 +476,8 @@ def test_balance_cuts_a_scan_mlp_with_a_bytes_weight_and_times_its_stages():
 
 
 def test_balance_times_the_ring_exchange_and_the_vocabulary_cuts():
+    from zbjax import cost_model
+
     ring = balance.exchange_rate(repeats=1)
     assert [b for b, _ in ring] == list(balance.MESSAGE_SIZES) and all(t > 0 for _, t in ring)
     vocab = balance.vocab_cuts(balance.SMOKE_VOCAB_GPT, repeats=1)
@@ -485,4 +487,5 @@ def test_balance_times_the_ring_exchange_and_the_vocabulary_cuts():
     logits = g["batch"] // balance.MICROBATCHES * g["seq_len"] * g["vocab_size"] * 4
     assert vocab["no byte weight"]["edge"] >= logits > vocab["byte weight"]["edge"]
     lines = balance.comm_lines(ring, 100.0, vocab)
-    assert any("FLOPs (`cost_model.CPU_COMM_WEIGHT`" in line for line in lines)
+    assert any("`cost_model.CPU_COMM_WEIGHT` is set from" in line for line in lines)
+    assert any(f"`CPU_COMM_WEIGHT` = {cost_model.CPU_COMM_WEIGHT:g}" in x for x in lines)

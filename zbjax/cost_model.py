@@ -51,22 +51,23 @@ CPU_BYTES_WEIGHT = 3.0
 # FLOP-equivalents charged per byte one pipeline device sends to the next (an activation in
 # F, its cotangent in B): the automatic cut weighs the bytes crossing a cut with it, since the
 # lowering sends every tick's messages in slots as large as the largest edge's. Peak matmul
-# FLOP/s over one link's bandwidth: ~2,200 on an H100 over NVLink (989 TFLOP/s bf16, 450 GB/s
-# each way), ~1,000 on an A100 (312 TFLOP/s, 300 GB/s), several times more between hosts;
-# nothing is fused away from a transfer, so the whole balance is charged.
+# FLOP/s over one link's bandwidth, from datasheets (not measured: no GPU was lent): ~2,200 on
+# an H100 over NVLink (989 TFLOP/s bf16, 450 GB/s each way), ~1,000 on an A100 (312 TFLOP/s,
+# 300 GB/s), several times more between hosts; nothing is fused away from a transfer, so the
+# whole balance is charged.
 COMM_WEIGHT = 2000.0
 
 # Messages up to this size cost a tick about what an empty one does (the exchange's latency,
 # paid wherever the cut goes, dominates): only the bytes beyond it are charged. ~1 MiB is a
-# GPU link's latency (some microseconds) times its bandwidth.
+# GPU link's latency (some microseconds) times its bandwidth (an estimate, as above).
 COMM_FREE_BYTES = 2**20
 
 # The same on a CPU mesh: 4 XLA:CPU devices of the 2-core AMD EPYC of session 41 shifting a
-# message around a ring inside a shard_map moved 4.0 GB/s each while one ran matmuls at
-# 468 GFLOP/s: 116 FLOPs a byte (`python benchmarks/balance.py`, section "balance").
-CPU_COMM_WEIGHT = 116.0
+# message around a ring inside a shard_map moved 4.9 GB/s each, where one device ran matmuls
+# at a median 335 GFLOP/s: 69 FLOPs a byte (`python benchmarks/balance.py`, section "balance").
+CPU_COMM_WEIGHT = 69.0
 
-# There a tick shifting 64 KiB took 60 us, one shifting 4 KiB 54 us, one of 256 KiB 158 us.
+# There a tick shifting 64 KiB took 55 us, one shifting 4 KiB 44 us, one of 256 KiB 112 us.
 CPU_COMM_FREE_BYTES = 2**16
 
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
