@@ -246,8 +246,9 @@ def comm_lines(ring: list[tuple[int, float]], gflops: float, vocab: dict[str, di
         "",
         f"A least-squares line through them: {1 / slope / 1e9:.1f} GB/s per device, so at the "
         f"matmuls' median {gflops:.0f} GFLOP/s a byte sent is worth {gflops * 1e9 * slope:.0f} "
-        "FLOPs (what `cost_model.CPU_COMM_WEIGHT` is set from; the cut charges two thirds of "
-        "it per byte crossing, an activation and its cotangent against F, B and W).",
+        "FLOPs in this run; `cost_model.CPU_COMM_WEIGHT`, set from such a run, is "
+        f"{cost_model.CPU_COMM_WEIGHT:g} (the cut charges two thirds of it per byte crossing, "
+        "an activation and its cotangent against F, B and W).",
         "",
         f"The reference GPT (vocabulary {g['vocab_size']}, {g['num_layers']} layers, d_model "
         f"{g['d_model']}, sequence {g['seq_len']}, batch {g['batch']}) on {DEVICES} fake "

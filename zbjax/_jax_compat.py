@@ -145,6 +145,8 @@ def register_identity_dce(primitive: Any) -> None:
     def rule(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
         if not any(used_outputs):
             return [False] * len(eqn.invars), None
+        if all(used_outputs):
+            return list(used_outputs), eqn
         invars = [v for v, used in zip(eqn.invars, used_outputs, strict=True) if used]
         outvars = [v for v, used in zip(eqn.outvars, used_outputs, strict=True) if used]
         return list(used_outputs), replace_equation(eqn, invars, outvars, eqn.params)

@@ -64,10 +64,11 @@ COMM_FREE_BYTES = 2**20
 
 # The same on a CPU mesh: 4 XLA:CPU devices of the 2-core AMD EPYC of session 41 shifting a
 # message around a ring inside a shard_map moved 4.9 GB/s each, where one device ran matmuls
-# at a median 335 GFLOP/s: 69 FLOPs a byte (`python benchmarks/balance.py`, section "balance").
+# at a median 335 GFLOP/s: 69 FLOPs a byte (one quiet run of `python benchmarks/balance.py`,
+# whose section "balance" shows the latest; four runs measured 63 to 82).
 CPU_COMM_WEIGHT = 69.0
 
-# There a tick shifting 64 KiB took 55 us, one shifting 4 KiB 44 us, one of 256 KiB 112 us.
+# In that run a tick shifting 64 KiB took 55 us, one of 4 KiB 44 us, one of 256 KiB 112 us.
 CPU_COMM_FREE_BYTES = 2**16
 
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(

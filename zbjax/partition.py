@@ -17,10 +17,12 @@ Stage assignment:
 - **Automatic** (no markers, ``num_stages`` given). *Activations* are the values that depend
   on both a batch leaf and a param leaf. Activation equations, in traced order, are cut into
   ``num_stages`` contiguous groups minimising the largest group cost
-  (``cost_model.equation_cost``) plus the most live activation bytes crossing a cut, weighed
-  by ``cost_model.comm_weight()`` (every tick's messages travel in slots as large as the
-  largest edge's); among near-optimal cuts (within ``AUTO_SLACK``) those with fewer live
-  activation bytes are preferred. A ``scan`` over layers counts as ``length`` units,
+  (``cost_model.equation_cost``) plus the most live activation bytes crossing a cut beyond
+  ``cost_model.comm_free_bytes()``, weighed by two thirds of ``cost_model.comm_weight()``
+  (every tick's messages travel in slots as large as the largest edge's; a byte goes out in
+  F and its cotangent in B while a stage computes F, B and W); among near-optimal cuts
+  (within ``AUTO_SLACK``) those with fewer live activation bytes are preferred. A ``scan``
+  over layers counts as ``length`` units,
   and a scan cut inside is rewritten into several scans over iteration ranges (the scanned-over
   inputs, stacked params included, sliced along axis 0; the carry threaded; the stacked outputs
   concatenated). Each such stage reads the whole stacked param leaf and slices its range.
@@ -1258,22 +1260,35 @@ def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int
     delta = np.zeros(n + 1)
     defined: dict[Var, int] = {}
     last_read: dict[Var, int] = {}
+
+    def at_each_boundary(lo: int, length: int, share: Callable[[int], float]) -> None:
+        # Adds share(it) at the cut before iteration it of a scan (1 <= it < length).
+        for it in range(1, length):
+            delta[lo + it] += share(it)
+            delta[lo + it + 1] -= share(it)
+
+    stacked_outputs = []
     for i, lo in first_unit.items():
         eqn = eqns[i]
         length = eqn.params["length"] if _splittable_scan(eqn) else 1
-        # A scan's carry's initial value is read by its first iteration only (the carry
-        # crosses the later boundaries, counted below); its consts and xs by every iteration.
+        # Inside a split scan its consts are read by every iteration; its carry's initial value
+        # by the first (the carry crosses the later boundaries, below); of its xs, the slices
+        # not scanned yet cross each boundary, and of its ys, the slices made so far.
         num_consts, num_carry = scan_counts(eqn.params) if length > 1 else (0, 0)
         for j, v in enumerate(eqn.invars):
-            if isinstance(v, Var) and v in defined:
-                read = lo if num_consts <= j < num_consts + num_carry else lo + length - 1
-                last_read[v] = max(last_read.get(v, 0), read)
+            if not (isinstance(v, Var) and v in defined):
+                continue
+            read = lo + length - 1 if j < num_consts or length == 1 else lo
+            last_read[v] = max(last_read.get(v, 0), read)
+            if length > 1 and j >= num_consts + num_carry:
+                size = cost_model.aval_bytes(v.aval)
+                at_each_boundary(lo, length, lambda it, s=size, n=length: s * (n - it) / n)
         for v in eqn.outvars:
             defined[v] = lo + length - 1
-        if length > 1:  # inside a scan the carry crosses every iteration boundary
-            carry = eqn.outvars[: scan_counts(eqn.params)[1]]
-            delta[lo + 1] += sum(cost_model.aval_bytes(v.aval) for v in carry)
-            delta[lo + length] -= sum(cost_model.aval_bytes(v.aval) for v in carry)
+        if length > 1:
+            carry = sum(cost_model.aval_bytes(v.aval) for v in eqn.outvars[:num_carry])
+            at_each_boundary(lo, length, lambda it, c=carry: c)
+            stacked_outputs.append((lo, length, eqn.outvars[num_carry:]))
     for v in program.jaxpr.outvars:
         if isinstance(v, Var) and v in defined:
             last_read[v] = n - 1
@@ -1282,6 +1297,11 @@ def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int
             size = cost_model.aval_bytes(v.aval)
             delta[d + 1] += size
             delta[last_read[v] + 1] -= size
+    for lo, length, ys in stacked_outputs:
+        for v in ys:
+            if v in last_read and last_read[v] > defined[v]:
+                size = cost_model.aval_bytes(v.aval)
+                at_each_boundary(lo, length, lambda it, s=size, n=length: s * it / n)
     return list(np.cumsum(delta)[:n])
 
 
@@ -1290,7 +1310,8 @@ def _live_bytes(program: _Program, units: list[_Unit], first_unit: dict[int, int
 #: crossing byte costs this share of ``cost_model.comm_weight()``.
 _SENDS_PER_COMPUTE = 2.0 / 3.0
 
-#: The most bounds on the bytes crossing a cut that ``_choose_cuts`` tries.
+#: ``_choose_cuts`` tries every bound on the bytes crossing a cut up to twice this many, else
+#: the least this many and this many of the others.
 _CROSSING_LIMITS = 64
 
 
@@ -1305,9 +1326,11 @@ def _choose_cuts(
 
     Minimises the largest group cost plus ``comm`` times the most live bytes crossing a cut
     beyond ``free`` (the lowering's message slots are as large as the largest edge, and a
-    message up to ``free`` bytes costs what an empty one does): over each bound on the
-    bytes crossing, the cuts crossing at most that many are considered, and the largest group
-    cost they allow is found by bisection on it with greedy packing. Then each cut moves,
+    message up to ``free`` bytes costs what an empty one does; the bytes of all values
+    crossing one position are summed): over each bound on the bytes crossing (all of them,
+    or the least ``_CROSSING_LIMITS`` and as many spread over the others), the cuts crossing
+    at most that many are considered, and the largest group cost they allow is found by
+    bisection on it with greedy packing. Then each cut moves,
     within ``AUTO_SLACK`` of that cost, to the allowed position with the fewest live bytes.
     A group is also no larger than the groups after it will be (an even split of the rest, or
     its largest unit), beyond its own first unit and ``AUTO_SLACK``: when one unit sets the
@@ -1388,13 +1411,16 @@ def _allowed_positions(
     if comm <= 0.0:
         return everywhere
     crossing = np.sort(live[1:])
-    # At least count - 1 positions are needed; each larger distinct value admits more. Many
-    # distinct values (thousands of units, all crossing different bytes) are thinned to
-    # ``_CROSSING_LIMITS`` of them, evenly spaced in their order, the least and most kept.
+    # At least count - 1 positions are needed; each larger distinct value admits more. Of many
+    # distinct values (thousands of units, all crossing different bytes) the least
+    # ``_CROSSING_LIMITS`` are tried (the best is often just enough cheap positions to
+    # balance), then ``_CROSSING_LIMITS`` of the others, evenly spaced in their order, the
+    # most kept.
     limits = np.unique(crossing[count - 2 :])
-    if len(limits) > _CROSSING_LIMITS:
-        spaced = np.linspace(0, len(limits) - 1, _CROSSING_LIMITS).round().astype(int)
-        limits = limits[np.unique(spaced)]
+    if len(limits) > 2 * _CROSSING_LIMITS:
+        rest = limits[_CROSSING_LIMITS:]
+        spaced = np.linspace(0, len(rest) - 1, _CROSSING_LIMITS).round().astype(int)
+        limits = np.concatenate([limits[:_CROSSING_LIMITS], rest[np.unique(spaced)]])
     floor = max(max(costs), prefix[-1] / count)  # no cut does better than this
     best_score, best_limit = np.inf, limits[-1]
     for limit in limits:
