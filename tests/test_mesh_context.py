@@ -328,27 +328,20 @@ def test_a_call_inside_shard_map_says_the_step_is_a_shard_map_itself():
     loss_fn = mlp.make_loss_fn(MLP_CFG)
     params = mlp.init_params(jax.random.key(0), MLP_CFG)
     batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
-    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
-    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
-    inside = jax.shard_map(
-        lambda p, b: pipe.value_and_grad(p, b)[0],
-        mesh=mesh,
-        in_specs=(P(), P()),
-        out_specs=P(),
-        check_vma=False,
-    )
-    with pytest.raises(zbjax.PipelineError, match="inside jax.shard_map or jax.pmap .* outside"):
-        jax.jit(inside)(params, batch)
-    # Manual over one axis of a 2-axis mesh: only that axis is named manual.
-    mesh = mesh_2x2(("pp", "dp"), EXPLICIT)
-    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
-    inside = jax.shard_map(
-        lambda p, b: pipe.value_and_grad(p, b)[0],
-        mesh=mesh,
-        in_specs=(P(), P()),
-        out_specs=P(),
-        axis_names={"dp"},
-        check_vma=False,
-    )
-    with pytest.raises(zbjax.PipelineError, match=r"mesh's axis 'dp' is manual there"):
-        jax.jit(inside)(params, batch)
+    # Manual over every axis, and (a 2-axis mesh) over one axis: only that axis is named.
+    for mesh, manual, named in (
+        (jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2]), {"pp"}, "axis 'pp' is"),
+        (mesh_2x2(("pp", "dp"), EXPLICIT), {"dp"}, "axis 'dp' is"),
+    ):
+        pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+        inside = jax.shard_map(
+            lambda p, b, pipe=pipe: pipe.value_and_grad(p, b)[0],
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(),
+            axis_names=manual,
+            check_vma=False,
+        )
+        refused = f"inside jax.shard_map .* {named} manual there.* outside"
+        with pytest.raises(zbjax.PipelineError, match=refused):
+            jax.jit(inside)(params, batch)
