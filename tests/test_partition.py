@@ -568,14 +568,15 @@ def test_bytes_crossing_inside_a_scan_are_its_carry_alone():
     assert costs.min() > 0.15 * costs.sum(), costs / costs.sum()
 
 
-def test_a_checkpoint_around_most_of_the_model_warns_that_one_stage_runs_it():
-    def model(p, x):
-        for w in p:
-            x = jnp.tanh(x @ w)
-        return x
+def _tanh_layers(p, x):
+    for w in p:
+        x = jnp.tanh(x @ w)
+    return x
 
+
+def test_a_checkpoint_around_most_of_the_model_warns_that_one_stage_runs_it():
     def loss_fn(params, x):
-        return jnp.mean(jax.checkpoint(model)(params, x) ** 2)
+        return jnp.mean(jax.checkpoint(_tanh_layers)(params, x) ** 2)
 
     params = [jnp.eye(8) * 0.5 for _ in range(4)]
     with pytest.warns(UserWarning, match=r"keeps a jax.checkpoint .* whole.*markers inside it"):
@@ -585,16 +586,11 @@ def test_a_checkpoint_around_most_of_the_model_warns_that_one_stage_runs_it():
 def test_layers_inside_a_cond_or_a_while_loop_kept_whole_draw_the_warning_with_their_fix():
     """A lax.cond holding the layers was kept whole silently (96 % of the cost in one stage)."""
 
-    def layers(p, x):
-        for w in p:
-            x = jnp.tanh(x @ w)
-        return x
-
     def in_cond(params, x):
-        return jnp.mean(jax.lax.cond(x.shape[0] > 0, layers, lambda p, x: x, params, x) ** 2)
+        return jnp.mean(jax.lax.cond(x.shape[0] > 0, _tanh_layers, lambda p, x: x, params, x) ** 2)
 
     def in_while(params, x):
-        body = lambda c: (c[0] + 1, layers(params, c[1]))  # noqa: E731
+        body = lambda c: (c[0] + 1, _tanh_layers(params, c[1]))  # noqa: E731
         return jnp.mean(jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1] ** 2)
 
     params = [jnp.eye(8) * 0.5 for _ in range(4)]

@@ -286,23 +286,25 @@ def flat_avals(
     ``what``: params, batch, key) that JAX cannot take as an array (a string, an object)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     avals = []
+
+    def named(path: Any) -> str:  # only for an error: keystr is slow over many leaves
+        return f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'}"
+
     for path, x in leaves:
         try:
             avals.append(leaf_aval(x))
         except TypeError:
             shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
             raise error(
-                f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} is "
-                f"a {type(x).__name__} ({shown}), which is not an array: JAX traces arrays and "
-                f"numbers only; take it out of the {what} (close over it in loss_fn or bind it "
-                "with functools.partial), or make it an array"
+                f"{named(path)} is a {type(x).__name__} ({shown}), which is not an array: JAX "
+                f"traces arrays and numbers only; take it out of the {what} (close over it in "
+                "loss_fn or bind it with functools.partial), or make it an array"
             ) from None
         if not all(isinstance(d, int | np.integer) for d in avals[-1].shape):
             raise error(
-                f"{what} leaf {jax.tree_util.keystr(path) or '(the ' + what + ' itself)'} has "
-                f"shape {avals[-1].shape}, with a symbolic dimension (jax.export's "
-                "symbolic_shape): a pipeline's stages, schedule and buffers are built for "
-                "concrete shapes; export with concrete shapes, one export per batch size"
+                f"{named(path)} has shape {avals[-1].shape}, with a symbolic dimension "
+                "(jax.export's symbolic_shape): a pipeline's stages, schedule and buffers are "
+                "built for concrete shapes; export with concrete shapes, one per batch size"
             )
     return tuple(avals), treedef
 
@@ -1346,8 +1348,10 @@ def _choose_cuts(
     live = np.asarray(live, dtype=float)
     # Positions a cut may go to (before unit p, 1 <= p < n): those crossing at most the chosen
     # number of bytes.
-    positions = _allowed_positions(prefix, costs, np.maximum(live - free, 0.0), count, comm)
-    bound = _largest_group(prefix, costs, count, positions) * (1.0 + AUTO_SLACK)
+    positions, largest = _allowed_positions(
+        prefix, costs, np.maximum(live - free, 0.0), count, comm
+    )
+    bound = largest * (1.0 + AUTO_SLACK)
     largest_after = np.maximum.accumulate(np.asarray(costs, dtype=float)[::-1])[::-1]
     allowed = len(positions)
     # earliest[k]: the first position group k may start at so that groups k .. count - 1 still
@@ -1403,13 +1407,13 @@ def _even_share(prefix: np.ndarray, positions: np.ndarray, start: int, groups: i
 
 def _allowed_positions(
     prefix: np.ndarray, costs: Sequence[float], live: np.ndarray, count: int, comm: float
-) -> np.ndarray:
+) -> tuple[np.ndarray, float]:
     """Returns the cut positions (1 <= p < n) crossing at most the live bytes that minimise
-    the largest group cost plus ``comm`` times those bytes."""
+    the largest group cost plus ``comm`` times those bytes, and that largest group cost."""
     n = len(costs)
     everywhere = np.arange(1, n)
     if comm <= 0.0:
-        return everywhere
+        return everywhere, _largest_group(prefix, costs, count, everywhere)
     crossing = np.sort(live[1:])
     # At least count - 1 positions are needed; each larger distinct value admits more. Of many
     # distinct values (thousands of units, all crossing different bytes) the least
@@ -1422,24 +1426,24 @@ def _allowed_positions(
         spaced = np.linspace(0, len(rest) - 1, _CROSSING_LIMITS).round().astype(int)
         limits = np.concatenate([limits[:_CROSSING_LIMITS], rest[np.unique(spaced)]])
     floor = max(max(costs), prefix[-1] / count)  # no cut does better than this
-    best_score, best_limit = np.inf, limits[-1]
+    best_score, best = np.inf, (everywhere, float(prefix[-1]))
     for limit in limits:
         if floor + comm * limit >= best_score:
             break  # larger limits only add to the communication term
         positions = everywhere[live[1:] <= limit]
-        if _groups_needed(prefix, positions, best_score - comm * limit) > count:
+        if _groups_needed(prefix, np.append(positions, n), best_score - comm * limit) > count:
             continue  # cannot beat the best found
-        score = _largest_group(prefix, costs, count, positions) + comm * limit
-        if score < best_score:
-            best_score, best_limit = score, limit
-    return everywhere[live[1:] <= best_limit]
+        largest = _largest_group(prefix, costs, count, positions)
+        if largest + comm * limit < best_score:
+            best_score, best = largest + comm * limit, (positions, largest)
+    return best
 
 
-def _groups_needed(prefix: np.ndarray, positions: np.ndarray, bound: float) -> int:
+def _groups_needed(prefix: np.ndarray, ends: np.ndarray, bound: float) -> int:
     """Returns how many groups of cost at most ``bound`` greedy packing needs, each group
-    ending at an allowed position (or the end); a huge number when one unit cannot fit."""
+    ending at one of ``ends`` (the allowed positions, then the number of units); a huge
+    number when one unit cannot fit."""
     n = len(prefix) - 1
-    ends = np.append(positions, n)
     groups, start = 0, 0
     while start < n:
         reach = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
@@ -1456,13 +1460,14 @@ def _largest_group(
     """Returns the least largest group cost of ``count`` groups cut at allowed positions
     (bisection to a relative 1e-9)."""
     lo, hi = max(costs), float(prefix[-1])
-    if _groups_needed(prefix, positions, lo) <= count:
+    ends = np.append(positions, len(costs))
+    if _groups_needed(prefix, ends, lo) <= count:
         return float(lo)
     for _ in range(100):
         if hi - lo <= 1e-9 * max(hi, 1.0):
             break
         mid = 0.5 * (lo + hi)
-        if _groups_needed(prefix, positions, mid) <= count:
+        if _groups_needed(prefix, ends, mid) <= count:
             hi = mid
         else:
             lo = mid
