@@ -264,7 +264,9 @@ def test_unpack_then_pack_gives_each_devices_row_back(stage_leaves_, placement, 
         local = [r[d] for r in staged.rows]
         values = unpack_views(layout, views, local)
         for view, value in zip(views, values, strict=True):
-            assert value.shape == view.shape if view.reads else value is None
+            assert value.shape == view.shape if view.given else value is None
+        # A device without any float32 leaf (the second case's device 1) gets one empty.
+        assert any(view.given for view in views)
         for got, want in zip(pack_views(layout, views, values), local, strict=True):
             np.testing.assert_array_equal(got, want)
 
@@ -354,6 +356,49 @@ def test_per_leaf_on_bfloat16_params_rounds_once_as_optax_on_the_user_tree():
     clipped = optax.chain(wrapped, pipe.clip_by_global_norm(1e-3))
     out, _ = jax.jit(clipped.update)(pipe.stage(grads), clipped.init(staged), staged)
     np.testing.assert_allclose(pipe.global_norm(out), 1e-3, rtol=1e-5)
+
+
+def test_per_leaf_gives_a_device_of_bfloat16_leaves_the_trees_dtypes_and_their_updates():
+    """A float32 leaf on device 0, a bfloat16 one on device 1. inject_hyperparams keeps the
+    hyperparameters in the tree's highest float dtype: device 1 alone saw bfloat16, where
+    b2 = 0.999 is 1.0, and its Adam update was NaN. And the bfloat16 leaf's update came back
+    in float32 rows where optax returns bfloat16, so optax.apply_if_finite (whose skip branch
+    returns zeros like the gradients) failed in lax.cond (helper Q2)."""
+
+    def loss_fn(p, x):
+        h = zbjax.stage_boundary(jnp.tanh(x @ p["w0"]))
+        return jnp.mean((h.astype(jnp.bfloat16) @ p["w1"]).astype(jnp.float32) ** 2)
+
+    k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w0": jax.random.normal(k0, (8, 8)) / 3,
+        "w1": (jax.random.normal(k1, (8, 8)) / 3).astype(jnp.bfloat16),
+    }
+    x = jax.random.normal(k2, (8, 8))
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    staged = pipe.stage(params, x)
+    grads = jax.grad(loss_fn)(params, x)
+
+    injected = optax.inject_hyperparams(optax.adamw)
+    cases = [  # inject_hyperparams' float32 learning rate makes the bfloat16 leaf's update float32
+        (injected(learning_rate=1e-2), pipe.per_leaf(injected(learning_rate=1e-2))),
+        (
+            optax.apply_if_finite(optax.adam(1e-2), 3),
+            optax.apply_if_finite(pipe.per_leaf(optax.adam(1e-2)), 3),
+        ),
+    ]
+    for tx, wrapped in cases:
+        want, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        updates, _ = jax.jit(wrapped.update)(pipe.stage(grads), wrapped.init(staged), staged)
+        assert staged.dtypes == ("bfloat16", "float32")
+        assert [r.dtype for r in updates.rows] == [want["w1"].dtype, want["w0"].dtype]
+        got = pipe.unstage(updates)
+        for name in params:
+            assert bool(jnp.all(jnp.isfinite(got[name])))
+            np.testing.assert_allclose(
+                np.asarray(got[name], np.float32), np.asarray(want[name], np.float32), rtol=1e-6
+            )
 
 
 def test_per_leaf_packs_an_empty_leaf_that_shares_its_offset_with_another():

@@ -1286,6 +1286,15 @@ def test_integer_params_get_zero_gradients_of_their_own_dtype_under_data_paralle
         loss, grads = pipe.value_and_grad(given, batch)
         if isinstance(grads, zbjax.StagedParams):
             assert [str(r.dtype) for r in grads.rows] == list(grads.dtypes)
+            # Adam on the rows makes float updates of the integer rows: they unstage as the
+            # updates optax makes on the user tree (refused as "cast after pipe.stage" before).
+            updates, _ = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(given), given)
+            want, _ = optax.adam(1e-2).update(
+                pipe.unstage(grads), optax.adam(1e-2).init(params), params
+            )
+            got = pipe.unstage(updates)
+            for name in ("n", "table"):
+                assert got[name].dtype == want[name].dtype == jnp.float32
             grads = pipe.unstage(grads)
         for name in ("n", "table"):
             assert grads[name].dtype == params[name].dtype

@@ -31,13 +31,17 @@ What a device's ``tx`` sees, and so what matches the user-layout optimizer exact
 - nothing crosses devices, so a transformation that decides on the whole tree
   (``clip_by_global_norm``; ``apply_if_finite``, which inside would skip a step on one device
   only) must stay outside: ``optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(tx))``;
-- updates of 16-bit float leaves are returned in float32 rows (their recorded dtypes stay
-  the params'), so ``optax.apply_updates`` rounds ``param + update`` once, as on the user's
-  tree, rather than rounding the update first.
+- each device's tree has every dtype of the user's (``device_views``: an empty leaf stands in
+  for a dtype it holds none of), as optax reads the tree's dtypes (``inject_hyperparams``);
+- updates come back in the rows' dtypes, and in float32 rows for a 16-bit float dtype whose
+  updates ``tx`` makes wider (their recorded dtypes stay the params'), so
+  ``optax.apply_updates`` rounds ``param + update`` once, as on the user's tree, rather than
+  rounding the update first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,12 +74,20 @@ class LeafView:
     ``reads`` are (slot, first row of the slot to take) in view order: concatenated they make
     the view, and there are none when the device holds none of the leaf. ``writes`` are
     (slot, first row of the view) for every copy on the device: each gets its rows of the view.
+    ``stand_in``: the device holds none of the leaf, but its optimizer gets it as an empty
+    array of its dtype (``device_views``).
     """
 
     shape: tuple[int, ...]
     dtype: str
     reads: tuple[tuple[LeafSlot, int], ...]
     writes: tuple[tuple[LeafSlot, int], ...]
+    stand_in: bool = False
+
+    @property
+    def given(self) -> bool:
+        """Whether the device's optimizer gets this leaf (else None stands in its tree)."""
+        return bool(self.reads) or self.stand_in
 
 
 def _slot_rows(slot: LeafSlot, num_rows: int) -> tuple[int, int]:
@@ -118,27 +130,40 @@ def leaf_view(aval: Any, slots: Sequence[LeafSlot]) -> LeafView:
 
 
 def device_views(layout: StagedLayout) -> list[list[LeafView]]:
-    """Returns, per device, the view of every param leaf (``param_leaves`` order)."""
+    """Returns, per device, the view of every param leaf (``param_leaves`` order).
+
+    For each dtype of the user's tree that none of a device's leaves has, the first leaf of
+    that dtype is given to the device's optimizer as an empty array (``LeafView.stand_in``):
+    optax reads the tree's dtypes (``optax.inject_hyperparams`` keeps its hyperparameters in
+    the tree's highest float dtype), so a device holding only bfloat16 leaves of a tree with
+    float32 ones would otherwise keep ``b2 = 0.999`` in bfloat16, where it is 1.0, and divide
+    by zero."""
     held: list[list[list[LeafSlot]]] = [
         [[] for _ in layout.param_avals] for _ in range(layout.num_devices)
     ]
     for device, slot in layout.copies():
         held[device][slot.leaf].append(slot)
-    return [
-        [leaf_view(aval, held[d][i]) for i, aval in enumerate(layout.param_avals)]
-        for d in range(layout.num_devices)
-    ]
+    out = []
+    for d in range(layout.num_devices):
+        views = [leaf_view(aval, held[d][i]) for i, aval in enumerate(layout.param_avals)]
+        present = {v.dtype for v in views if v.reads}
+        for i, view in enumerate(views):
+            if view.dtype not in present:
+                present.add(view.dtype)
+                views[i] = dataclasses.replace(view, stand_in=True)
+        out.append(views)
+    return out
 
 
 def unpack_views(
     layout: StagedLayout, views: Sequence[LeafView], rows: Sequence[jax.Array]
 ) -> list[jax.Array]:
     """Returns one device's leaves as ``views`` say, from its rows (one vector per dtype);
-    None for a leaf it does not hold."""
+    None for a leaf it does not hold (an empty array for a stand-in)."""
     out: list = []
     for view in views:
         if not view.reads:
-            out.append(None)
+            out.append(jnp.zeros(view.shape, view.dtype) if view.stand_in else None)
             continue
         values = read_slots(layout, rows, [slot for slot, _ in view.reads])
         # A scalar leaf is read whole (skip 0): it has no rows to skip.
@@ -177,12 +202,18 @@ def _tensor(layout: StagedLayout) -> tuple[str, int] | None:
 
 
 def pack_views(
-    layout: StagedLayout, views: Sequence[LeafView], values: Sequence[jax.Array]
+    layout: StagedLayout,
+    views: Sequence[LeafView],
+    values: Sequence[jax.Array],
+    row_dtypes: Sequence[Any] | None = None,
 ) -> list[jax.Array]:
     """Returns one device's rows (one vector per dtype) holding ``values`` as ``views`` say,
-    every copy of a leaf its rows of the value; padding and others' slots hold zeros. Rows of
-    a 16-bit float dtype are packed in float32 (``params.wide_dtype``): they hold updates,
-    which optax adds to the params before rounding once."""
+    every copy of a leaf its rows of the value; padding and others' slots hold zeros. The
+    rows are of ``row_dtypes`` (by default a 16-bit float dtype's in float32,
+    ``params.wide_dtype``: updates computed wider than their leaves, which optax adds to the
+    params before rounding once)."""
+    if row_dtypes is None:
+        row_dtypes = [wide_dtype(dt) for dt in layout.dtypes]
     pieces: list[list] = [[] for _ in layout.dtypes]
     for view, value in zip(views, values, strict=True):
         for slot, first in view.writes:
@@ -192,9 +223,25 @@ def pack_views(
                 (slot.offset, part, layout.split_of(slot))
             )
     return [
-        _pack(p, size, wide_dtype(dt), _tensor(layout))
-        for p, size, dt in zip(pieces, layout.row_size, layout.dtypes, strict=True)
+        _pack(p, size, dt, _tensor(layout))
+        for p, size, dt in zip(pieces, layout.row_size, row_dtypes, strict=True)
     ]
+
+
+def update_row_dtypes(
+    layout: StagedLayout, views: Sequence[Sequence[LeafView]], update_dtypes: Sequence[Sequence]
+) -> list[Any]:
+    """Returns the dtype of each update row: the staged dtype, or float32 for a 16-bit float
+    dtype of which some device's optimizer returns an update in a wider dtype (``mu_dtype``,
+    say). Updates in the leaves' own dtypes stay in it, as optax returns them on the user's
+    tree: a transformation wrapping the update (``optax.apply_if_finite``) gets the dtypes it
+    expects, and adding a 16-bit update in float32 rounds as adding it in its dtype does."""
+    wide = set()
+    for device_views_, dtypes in zip(views, update_dtypes, strict=True):
+        for view, dtype in zip(device_views_, dtypes, strict=True):
+            if view.reads and dtype is not None and jnp.dtype(dtype) != jnp.dtype(view.dtype):
+                wide.add(view.dtype)
+    return [wide_dtype(dt) if dt in wide else jnp.dtype(dt) for dt in layout.dtypes]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -259,7 +306,7 @@ class StateLayout:
 
 def _view_tree(treedef: Any, views: Sequence[LeafView]) -> Any:
     """Returns a device's view tree of ``ShapeDtypeStruct`` (None for a leaf it does not hold)."""
-    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) if v.reads else None for v in views]
+    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) if v.given else None for v in views]
     return jax.tree_util.tree_unflatten(treedef, avals)
 
 
@@ -271,7 +318,11 @@ def _state_splits(
     (``tensor.value_splits``), fed its own answer until it stops changing (Adam's moments:
     split like their leaves once the gradients have flowed into them)."""
     tree = _view_tree(treedef, views)
-    held = [split for view, split in zip(views, leaf_splits, strict=True) if view.reads]
+    held = [
+        split if view.reads else None
+        for view, split in zip(views, leaf_splits, strict=True)
+        if view.given
+    ]
     closed, (updates, _) = jax.make_jaxpr(tx.update, return_shape=True)(tree, state, tree)
     num_updates = len(jax.tree.leaves(updates))
     splits: list = [None] * len(jax.tree.leaves(state))
@@ -302,7 +353,8 @@ def state_layout(
                     f"per_leaf: the optimizer's state holds {leaf!r}, which cannot be packed into "
                     f"the staged state's rows; per_leaf takes transformations whose state is "
                     f"numeric arrays (every optax optimizer's is); keep a transformation with "
-                    f"other state (a PRNG key, say) outside per_leaf in the optax.chain"
+                    f"other state (a PRNG key, say) outside per_leaf in the optax.chain (random "
+                    f"noise on the rows differs between the copies of a tied leaf)"
                 )
         splits = [None] * len(leaves)
         if tensor is not None:
@@ -326,6 +378,28 @@ def state_layout(
         placed.append(tuple(mine))
     row_size = tuple(max((f[k] for f in fills), default=0) for k in range(len(dtypes)))
     return StateLayout(dtypes, row_size, tuple(d for _, d, _ in flat), tuple(placed), tensor)
+
+
+def _update_dtypes(
+    tx: Any, treedef: Any, views: Sequence[Sequence[LeafView]], with_params: bool, extra: Any
+) -> list[list[Any]]:
+    """Returns, per device, the dtype of ``tx``'s update of each leaf (None where it holds
+    none, or where the updates do not have the params' structure, which ``update`` reports)."""
+    out = []
+    for device_views_ in views:
+        tree = _view_tree(treedef, device_views_)
+
+        def updates(tree, extra):
+            state = tx.init(tree)
+            return tx.update(tree, state, tree if with_params else None, **extra)[0]
+
+        shapes = jax.eval_shape(updates, tree, extra)
+        try:
+            flat = treedef.flatten_up_to(shapes)
+        except (TypeError, ValueError):
+            flat = [None] * len(device_views_)
+        out.append([getattr(x, "dtype", None) for x in flat])
+    return out
 
 
 def per_leaf(
@@ -489,6 +563,9 @@ def per_leaf(
     ):
         staged_layout, treedef, views, states = validate(updates, state, params)
         with_params = params is not None
+        row_dtypes = update_row_dtypes(
+            staged_layout, views, _update_dtypes(tx, treedef, views, with_params, extra_args)
+        )
 
         def body(grad_rows, state_rows, param_rows, extra):
             def branch(d):
@@ -510,7 +587,7 @@ def per_leaf(
                             f"per_leaf: the transformation's updates do not have the params' "
                             f"tree structure {treedef}: {e}"
                         ) from None
-                    return pack_views(staged_layout, views[d], flat), states.pack(
+                    return pack_views(staged_layout, views[d], flat, row_dtypes), states.pack(
                         d, new_state, "update"
                     )
 

@@ -982,7 +982,8 @@ class Pipeline:
     def _check_staged(self, staged: StagedParams, built: _Built, widened: bool = False) -> None:
         """Raises PipelineError unless ``staged`` holds rows of this pipeline's layout; with
         ``widened``, rows of a 16-bit float dtype may hold float32 (the updates
-        ``per_leaf`` returns for them), as reading values out of rows allows."""
+        ``per_leaf`` returns for them) and integer or bool rows a float dtype (the updates
+        optax computes for such leaves), as reading values out of rows allows."""
         layout = built.lowering.layout
         want = [(layout.num_devices, layout.row_width(k)) for k in range(len(layout.dtypes))]
         got = [tuple(np.shape(r)) for r in staged.rows]
@@ -999,7 +1000,7 @@ class Pipeline:
             for dt, r in zip(staged.dtypes, staged.rows, strict=True)
             if hasattr(r, "dtype")
             and dtype_name(r.dtype) != dt
-            and not (widened and dtype_name(r.dtype) == dtype_name(wide_dtype(dt)))
+            and not (widened and _widened(dt, r.dtype))
         ]
         if cast:
             raise PipelineError(
@@ -1600,6 +1601,14 @@ def _traced(tree: Any) -> bool:
     """Returns whether the call is inside a user's trace: a leaf of ``tree`` is a tracer, or
     JAX is tracing (a jit, eval_shape or cond branch that closes over concrete inputs)."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)) or under_trace()
+
+
+def _widened(staged: str, now: Any) -> bool:
+    """Returns whether a row staged as ``staged`` may hold dtype ``now`` as updates: float32
+    for a 16-bit float, any float for an integer or bool (optax's updates of such leaves)."""
+    if dtype_name(now) == dtype_name(wide_dtype(staged)):
+        return True
+    return not jnp.issubdtype(staged, jnp.inexact) and jnp.issubdtype(now, jnp.floating)
 
 
 def _replicated(tree: Any, mesh: Any, own: bool = True) -> Any:
