@@ -198,6 +198,32 @@ def test_plot_and_trace_paths_are_reported_as_written(tmp_path, capsys, monkeypa
         captured = capsys.readouterr()
         assert needle in captured.err and captured.out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png", "outdir"]
+    # Errors name the flag; no folder is made before the schedule is known (helper Q1).
+    (tmp_path / "afile").write_text("")
+    for argv, needle in (
+        (["--plot", "afile/x.png"], "--plot path 'afile/x.png': its folder 'afile' cannot be"),
+        (["--plot", "out.txt"], "--plot 'out.txt': Format 'txt' is not supported"),
+        (["--trace", "afile/t.json"], "--trace path 'afile/t.json'"),
+    ):
+        assert main(["schedule", "zb-h1", "-p", "2", "-m", "2", *argv]) == 2
+        assert needle in capsys.readouterr().err
+    argv = ["--plot", "new/x.png", "--trace", "other/t.json"]
+    assert main(["schedule", "zb-h9", "-p", "2", "-m", "2", *argv]) == 2
+    assert "unknown schedule 'zb-h9'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "chart.png", "outdir"]
+
+
+def test_sizes_past_what_the_simulation_takes_are_refused_naming_the_bound(capsys):
+    """-m 10**20 grew past 22 GB before anything was refused; -p 100000 ran for hours."""
+    for p, m in (("1", str(10**20)), ("5000", "1")):
+        assert main(["schedule", "gpipe", "-p", p, "-m", m]) == 2
+        err = capsys.readouterr().err
+        assert "more than zbjax schedule builds" in err and "1,000,000" in err
+
+
+def test_schedule_errors_say_which_flags_the_arguments_they_name_are(capsys):
+    assert main(["schedule", "1f1b", "-p", "4", "-m", "4", "--stages", "3"]) == 2
+    assert "(num_stages is --stages, num_devices is -p)" in capsys.readouterr().err
 
 
 def test_json_is_strict_json_with_no_memory_limit_as_null(capsys):

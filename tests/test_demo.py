@@ -224,7 +224,7 @@ def test_progress_prints_lines_in_a_log_and_a_carriage_return_bar_on_a_terminal(
 
 def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
     assert main(["demo", "--batch-size", "6", "--microbatches", "4", "--devices", "2"]) == 2
-    assert "batch_size=6" in capsys.readouterr().err
+    assert "--batch-size 6 is not divisible by --microbatches 4" in capsys.readouterr().err
     assert main(["demo", "--schedule", "zb-v", "--devices", "2", "--layers", "1"]) == 2
     assert "layers" in capsys.readouterr().err
     # --stages other than the schedule's count: the CLI user gets the demo's terms (the
@@ -245,12 +245,16 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
     assert "cannot be made a directory" in capsys.readouterr().err
     # A seed numpy refuses, an lr that diverges at once, a tp that would split nothing.
     for argv, needle in [
-        (["--seed", "-1"], "seed=-1"),
+        (["--seed", "-1"], "--seed -1"),
         (["--seed", str(2**63)], "below 2**63"),
-        (["--lr", "inf"], "lr=inf; the learning rate must be finite"),
-        (["--tp", "3"], "tp=3 must divide heads=4"),
+        (["--lr", "inf"], "--lr inf; the learning rate must be finite"),
+        (["--tp", "3"], "--tp 3 must divide --heads 4"),
         # An unknown schedule is named as such, not as too few layers for its stages.
-        (["--schedule", "zb-h3", "--layers", "3"], "schedule='zb-h3' is not a schedule"),
+        (["--schedule", "zb-h3", "--layers", "3"], "--schedule 'zb-h3' is not a schedule"),
+        # The CLI names its flags, not DemoConfig's fields (batch_size=, out_dir=); an empty
+        # directory name wrote into the current one (helper Q1).
+        (["--out", ""], "--out '' is not a directory name"),
+        (["--profile", ""], "--profile '' is not a directory name"),
     ]:
         assert main(["demo", "--devices", "2", *argv]) == 2
         assert needle in capsys.readouterr().err
@@ -340,6 +344,6 @@ def test_demo_with_tensor_parallelism_passes_its_checks():
 
 def test_demo_tp_needs_the_devices(capsys):
     assert main(["demo", "--devices", "8", "--tp", "2"]) == 2
-    assert "devices=8 x tp=2" in capsys.readouterr().err
+    assert "--devices 8 x --tp 2" in capsys.readouterr().err
     assert main(["demo", "--tp", "0"]) == 2
     assert "--tp 0" in capsys.readouterr().err

@@ -37,6 +37,11 @@ def make_output_dir(name: str, path: str) -> None:
     """Makes the directory ``path`` (and its parents) for output files or a ``jax.profiler``
     trace, or raises PipelineError naming ``name``: the profiler itself fails only when it
     stops, after the traced steps ran, and then stays running."""
+    if not str(path):
+        raise PipelineError(
+            f"{name}='' is not a directory name; give a directory to write into (it is made if "
+            "missing), e.g. '.' for this one"
+        )
     if Path(path).exists() and not Path(path).is_dir():
         raise PipelineError(
             f"{name}={str(path)!r} is a file, not a directory; give a directory to write into "

@@ -100,10 +100,13 @@ def _grid_rows(schedule: Schedule, result: SimResult, unit: float) -> list[list[
     return rows
 
 
-def output_path(path: str | Path, what: str, suffix: str, add_suffix: bool = False) -> Path:
+def output_path(
+    path: str | Path, what: str, suffix: str, add_suffix: bool = False, make_folder: bool = True
+) -> Path:
     """Returns where a file ``path`` given for ``what`` is written (``suffix`` added when
     ``add_suffix`` and the name has none, as matplotlib does for a PNG), its folder made if
-    missing; raises ScheduleError for an empty path or a directory."""
+    missing (with ``make_folder``); raises ScheduleError for an empty path, a directory, or a
+    folder that cannot be made."""
     if not isinstance(path, str | Path) or not str(path):
         raise ScheduleError(f"{what} path {path!r} is not a file name; give e.g. 'out{suffix}'")
     path = Path(path)
@@ -112,7 +115,14 @@ def output_path(path: str | Path, what: str, suffix: str, add_suffix: bool = Fal
             f"{what} path {str(path)!r} is a directory; give a file name, e.g. "
             f"{str(path / ('schedule' + suffix))!r}"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_folder:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ScheduleError(
+                f"{what} path {str(path)!r}: its folder {str(path.parent)!r} cannot be made "
+                f"({err.strerror or err}); give a file in a folder you can write to"
+            ) from None
     return path.with_name(path.name + suffix) if add_suffix and not path.suffix else path
 
 
