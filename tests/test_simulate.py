@@ -127,3 +127,16 @@ def test_simulated_order_respects_every_dependency_on_generated_schedules():
         for program in s.actions:
             for before, after in zip(program, program[1:], strict=False):
                 assert r.start[after] >= r.end[before] - 1e-9
+
+
+def test_a_long_chain_simulates_in_time_linear_in_its_actions():
+    """Sweeping every device until none moved took one pass per device of a backward wave,
+    and each action's neighbours were found by scanning all edges: a 1f1b chain of 4000 stages
+    took 21 s to build and simulate (41 s through zbjax schedule, helper Q1); now 0.2 s."""
+    import time
+
+    start = time.perf_counter()
+    schedule = build("1f1b", 4000, 1)
+    result = simulate(schedule)
+    assert result.makespan == 3 * 4000
+    assert time.perf_counter() - start < 15

@@ -234,11 +234,25 @@ class Schedule:
 
     def predecessors(self, stage: int) -> tuple[int, ...]:
         """Returns the stages whose outputs ``stage`` reads."""
-        return tuple(a for a, b in self.edges if b == stage)
+        return self._neighbours[0].get(stage, ())
 
     def successors(self, stage: int) -> tuple[int, ...]:
         """Returns the stages that read ``stage``'s outputs."""
-        return tuple(b for a, b in self.edges if a == stage)
+        return self._neighbours[1].get(stage, ())
+
+    @functools.cached_property
+    def _neighbours(self) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+        # Per stage its predecessors and successors in ``edges`` order: scanning the edges at
+        # every call made building and checking a chain of p stages take p**2 steps.
+        before: dict[int, list[int]] = {}
+        after: dict[int, list[int]] = {}
+        for a, b in self.edges:
+            before.setdefault(b, []).append(a)
+            after.setdefault(a, []).append(b)
+        return (
+            {s: tuple(v) for s, v in before.items()},
+            {s: tuple(v) for s, v in after.items()},
+        )
 
     def all_actions(self) -> Iterable[tuple[int, int, Action]]:
         """Yields (device, position, action) for every action of the schedule."""

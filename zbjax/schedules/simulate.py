@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 from zbjax.errors import ScheduleError
@@ -120,43 +121,49 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     free = [0.0] * schedule.num_devices
     cursor = [0] * schedule.num_devices
     remaining = sum(len(p) for p in schedule.actions)
-    while remaining:
-        progressed = False
-        for device, program in enumerate(schedule.actions):
-            while cursor[device] < len(program):
-                action = program[cursor[device]]
-                ready = free[device]
-                blocked = False
-                for dep in dependencies(schedule, action, kinds, graph):
-                    if dep not in end:
-                        if dep not in scheduled:
-                            raise ScheduleError(
-                                f"dependency rule: {action} on device {device} needs {dep}, "
-                                "which no device runs; add it to the schedule"
-                            )
-                        blocked = True
-                        break
-                    delay = costs.comm if placement[dep.stage] != device else 0.0
-                    ready = max(ready, end[dep] + delay)
-                if blocked:
+    # Devices with an action that may be ready; a blocked device waits on the dependency that
+    # blocked it and is queued again when that ends (sweeping every device until none moved
+    # took a pass per device of a backward wave: 41 s for 4000 stages).
+    queue = collections.deque(range(schedule.num_devices))
+    waiters: dict[Action, list[int]] = {}
+    while queue:
+        device = queue.popleft()
+        program = schedule.actions[device]
+        while cursor[device] < len(program):
+            action = program[cursor[device]]
+            ready = free[device]
+            blocked = None
+            for dep in dependencies(schedule, action, kinds, graph):
+                if dep not in end:
+                    if dep not in scheduled:
+                        raise ScheduleError(
+                            f"dependency rule: {action} on device {device} needs {dep}, "
+                            "which no device runs; add it to the schedule"
+                        )
+                    blocked = dep
                     break
-                length = duration[action.kind][action.stage]
-                start[action] = ready
-                end[action] = ready + length
-                free[device] = ready + length
-                cursor[device] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waiting = [
-                f"device {d} waits at {program[cursor[d]]}"
-                for d, program in enumerate(schedule.actions)
-                if cursor[d] < len(program)
-            ]
-            raise ScheduleError(
-                "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
-                "reorder the actions so every dependency can run first"
-            )
+                delay = costs.comm if placement[dep.stage] != device else 0.0
+                ready = max(ready, end[dep] + delay)
+            if blocked is not None:
+                waiters.setdefault(blocked, []).append(device)
+                break
+            length = duration[action.kind][action.stage]
+            start[action] = ready
+            end[action] = ready + length
+            free[device] = ready + length
+            cursor[device] += 1
+            remaining -= 1
+            queue.extend(waiters.pop(action, ()))
+    if remaining:
+        waiting = [
+            f"device {d} waits at {program[cursor[d]]}"
+            for d, program in enumerate(schedule.actions)
+            if cursor[d] < len(program)
+        ]
+        raise ScheduleError(
+            "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
+            "reorder the actions so every dependency can run first"
+        )
     makespan = max(end.values(), default=0.0)
     if not math.isfinite(makespan):
         raise ScheduleError(
