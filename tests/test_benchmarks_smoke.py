@@ -21,6 +21,7 @@ import buffers  # noqa: E402
 import build_time  # noqa: E402
 import bw_in_step  # noqa: E402
 import bw_split  # noqa: E402
+import compile_layers  # noqa: E402
 import gpu  # noqa: E402
 import in_context  # noqa: E402
 import lockstep  # noqa: E402
@@ -446,6 +447,19 @@ def test_build_time_splits_the_alike_middle_stages_once_and_tables_both_ways():
     assert re.search(
         rf"^\| 8 \| {once} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", build_time.table(builds, [8]), re.M
     )
+
+
+def test_compile_layers_times_both_steps_and_counts_the_kernels_offsets_set_apart():
+    (row,) = compile_layers.measure([8], 1)
+    assert min(row.pipelined_s, row.unpipelined_s, row.per_leaf_s, row.optax_s) > 0
+    # Every layer's kernels read their params at offsets of their own: fewer kernels are
+    # distinct once constants and slice bounds are set aside.
+    assert row.kernels > row.distinct > row.distinct_but_constants > 0
+    assert re.search(
+        r"^\| 8 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \|", compile_layers.table([row]), re.M
+    )
+    separate, sliced = compile_layers.slices_against_arrays(count=4, size=8)
+    assert separate > 0 and sliced > 0
 
 
 def test_run_all_reruns_every_section_with_the_command_that_made_it():
