@@ -202,7 +202,10 @@ def test_plot_and_trace_paths_are_reported_as_written(tmp_path, capsys, monkeypa
     (tmp_path / "afile").write_text("")
     for argv, needle in (
         (["--plot", "afile/x.png"], "--plot path 'afile/x.png': its folder 'afile' cannot be"),
-        (["--plot", "out.txt"], "--plot 'out.txt': Format 'txt' is not supported"),
+        (["--plot", "out.txt"], "--plot 'out.txt': matplotlib writes no 'txt' files"),
+        (["--plot", "new/out.txt"], "matplotlib writes no 'txt' files"),
+        (["--trace", "traces/"], "--trace path 'traces/' is a directory"),
+        (["--plot", "same", "--trace", "same.png"], "both name 'same.png'"),
         (["--trace", "afile/t.json"], "--trace path 'afile/t.json'"),
     ):
         assert main(["schedule", "zb-h1", "-p", "2", "-m", "2", *argv]) == 2

@@ -255,6 +255,8 @@ def test_cli_demo_rejects_bad_sizes_naming_the_value(capsys, tmp_path):
         # directory name wrote into the current one (helper Q1).
         (["--out", ""], "--out '' is not a directory name"),
         (["--profile", ""], "--profile '' is not a directory name"),
+        # ... and leaves the values it quotes as given (a run folder named runs/lr=3e-4).
+        (["--schedule", "lr=1"], "--schedule 'lr=1' is not a schedule"),
     ]:
         assert main(["demo", "--devices", "2", *argv]) == 2
         assert needle in capsys.readouterr().err

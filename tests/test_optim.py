@@ -401,6 +401,67 @@ def test_per_leaf_gives_a_device_of_bfloat16_leaves_the_trees_dtypes_and_their_u
             )
 
 
+def test_per_leaf_on_mixed_dtypes_keeps_wide_and_float_updates_and_names_a_hyperparameter_split():
+    """Review of the change above: a second per_leaf in a chain rounded the first's float32
+    update of a bfloat16 leaf (its dtypes were probed with the params' dtypes, not the rows it
+    gets); an integer leaf's float update (weight decay) was truncated to int; the stand-in
+    leaf had zero rows, and muon divided by its fan-in; inject_hyperparams inside
+    multi_transform sees one label's leaves, which on device 1 are bfloat16 only (NaN), now
+    refused naming hyperparam_dtype."""
+
+    def loss_fn(p, x):
+        h = zbjax.stage_boundary(jnp.tanh(x @ p["a"] + p["b"]) * p["n"][0])
+        return jnp.mean((h.astype(jnp.bfloat16) @ p["c"]).astype(jnp.float32) ** 2)
+
+    k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "a": jax.random.normal(k0, (8, 16)) / 3,
+        "b": jnp.full((16,), 0.1),
+        "c": (jax.random.normal(k1, (16, 8)) / 3).astype(jnp.bfloat16),
+        "n": jnp.arange(1, 9, dtype=jnp.int32),
+    }
+    x = jax.random.normal(k2, (8, 8))
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    staged = pipe.stage(params, x)
+    grads = jax.grad(loss_fn, allow_int=True)(params, x)
+    grads["n"] = jnp.zeros_like(params["n"])  # zbjax's integer gradients: zeros of the dtype
+    staged_grads = pipe.stage(grads)
+    floats = {k: v for k, v in params.items() if k != "n"}
+    cases = [
+        (optax.chain(optax.scale_by_adam(mu_dtype=jnp.float32), optax.scale(-1e-2)), False),
+        (optax.adamw(1e-1, weight_decay=0.5), True),
+    ]
+    if hasattr(optax.contrib, "muon"):  # optax 0.2.5 and later
+        cases.append((optax.contrib.muon(1e-2), False))
+    for tx, with_int in cases:
+        tree = params if with_int else floats
+        g = grads if with_int else {k: grads[k] for k in floats}
+        want, _ = jax.jit(tx.update)(g, tx.init(tree), tree)
+        if isinstance(tx, optax.GradientTransformation) and tx is cases[0][0]:
+            parts = (optax.scale_by_adam(mu_dtype=jnp.float32), optax.scale(-1e-2))
+            wrapped = optax.chain(*(pipe.per_leaf(t) for t in parts))  # two per_leafs
+        else:
+            wrapped = pipe.per_leaf(tx)
+        got, _ = jax.jit(wrapped.update)(staged_grads, wrapped.init(staged), staged)
+        got = pipe.unstage(got)
+        for name in want:
+            assert got[name].dtype == want[name].dtype, name
+            np.testing.assert_allclose(
+                np.asarray(got[name], np.float32),
+                np.asarray(want[name], np.float32),
+                rtol=1e-5,
+                atol=1e-7,  # muon's Newton-Schulz matmuls, in two programs: 2.3e-8 apart
+            )
+    labels = {"a": "x", "b": "y", "c": "y", "n": "x"}
+    tx = optax.multi_transform(
+        {"x": optax.sgd(1e-2), "y": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)},
+        labels,
+    )
+    with pytest.raises(zbjax.PipelineError, match="hyperparam_dtype=jnp.float32"):
+        pipe.per_leaf(tx).init(staged)
+
+
 def test_per_leaf_packs_an_empty_leaf_that_shares_its_offset_with_another():
     """A stacked leaf of size 0 split by rows beside a scanned weight, under zb-v (two stages
     a device): its empty slot shares an offset with the next stage's weight, and packing

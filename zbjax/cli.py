@@ -217,13 +217,16 @@ _DEMO_FIELD = re.compile(
 
 
 def _demo_flags(message: str) -> str:
-    """Returns a demo error with ``field=value`` written as the flag (``--batch-size 32``)."""
+    """Returns a demo error with ``field=value`` written as the flag (``--batch-size 32``),
+    leaving quoted values alone (a path such as 'runs/lr=3e-4' is the user's)."""
 
     def flag(match: re.Match) -> str:
         name = match.group(1)
         return _DEMO_FLAGS.get(name, "--" + name.replace("_", "-")) + " "
 
-    return _DEMO_FIELD.sub(flag, message)
+    # Odd pieces of the split are the quoted values, as repr() writes them.
+    pieces = re.split(r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""", message)
+    return "".join(p if i % 2 else _DEMO_FIELD.sub(flag, p) for i, p in enumerate(pieces))
 
 
 #: The schedule builder's argument names, as ``zbjax schedule``'s flags.
@@ -234,6 +237,21 @@ def _schedule_flags(message: str) -> str:
     """Returns a schedule error with a legend of the argument names it uses as flags."""
     named = [f"{name} is {flag}" for name, flag in _SCHEDULE_FLAGS.items() if name in message]
     return f"{message} ({', '.join(named)})" if named else message
+
+
+def _check_image_format(path: str) -> None:
+    """Raises UsageError unless matplotlib writes ``path``'s file type (no suffix: PNG)."""
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if not suffix:
+        return
+    from matplotlib.figure import Figure
+
+    known = Figure().canvas.get_supported_filetypes()
+    if suffix not in known:
+        raise UsageError(
+            f"--plot {path!r}: matplotlib writes no {suffix!r} files; give one of "
+            f"{', '.join(sorted(known))} (e.g. chart.png)"
+        )
 
 
 def _writing(flag: str, path: Any, write: Callable[[], Any]) -> None:
@@ -272,9 +290,17 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         "--plot": (args.plot, ".png", True),
         "--trace": (args.trace, ".json", False),
     }
+    written = {}
     for flag, (path, suffix, add) in outputs.items():
         if path is not None:
-            output_path(path, flag, suffix, add_suffix=add, make_folder=False)
+            where = output_path(path, flag, suffix, add_suffix=add, make_folder=False)
+            if where.resolve() in written:
+                raise UsageError(
+                    f"--plot and --trace both name {str(where)!r}; give them different files"
+                )
+            written[where.resolve()] = flag
+    if args.plot is not None:
+        _check_image_format(args.plot)
     options = _auto_options(args) if args.name == "zb-auto" else _dag_options(args)
     if args.name in schedules.DAG_SCHEDULE_NAMES and not options:
         raise UsageError(

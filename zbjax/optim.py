@@ -31,8 +31,11 @@ What a device's ``tx`` sees, and so what matches the user-layout optimizer exact
 - nothing crosses devices, so a transformation that decides on the whole tree
   (``clip_by_global_norm``; ``apply_if_finite``, which inside would skip a step on one device
   only) must stay outside: ``optax.chain(pipe.clip_by_global_norm(1.0), pipe.per_leaf(tx))``;
-- each device's tree has every dtype of the user's (``device_views``: an empty leaf stands in
-  for a dtype it holds none of), as optax reads the tree's dtypes (``inject_hyperparams``);
+- each device's tree has every dtype of the user's (``device_views``: a row of zeros stands
+  in for a dtype it holds none of), as optax reads the tree's dtypes (``inject_hyperparams``);
+  a scalar state leaf (a hyperparameter) whose dtype still differs from the one ``tx.init``
+  makes on the user's tree (``inject_hyperparams`` inside ``multi_transform``, which looks
+  at a label's leaves only) is refused with the fix;
 - updates come back in the rows' dtypes, and in float32 rows for a 16-bit float dtype whose
   updates ``tx`` makes wider (their recorded dtypes stay the params'), so
   ``optax.apply_updates`` rounds ``param + update`` once, as on the user's tree, rather than
@@ -74,8 +77,8 @@ class LeafView:
     ``reads`` are (slot, first row of the slot to take) in view order: concatenated they make
     the view, and there are none when the device holds none of the leaf. ``writes`` are
     (slot, first row of the view) for every copy on the device: each gets its rows of the view.
-    ``stand_in``: the device holds none of the leaf, but its optimizer gets it as an empty
-    array of its dtype (``device_views``).
+    ``stand_in``: the device holds none of the leaf, but its optimizer gets one row of zeros of
+    its dtype (``device_views``), whose update is dropped.
     """
 
     shape: tuple[int, ...]
@@ -133,7 +136,7 @@ def device_views(layout: StagedLayout) -> list[list[LeafView]]:
     """Returns, per device, the view of every param leaf (``param_leaves`` order).
 
     For each dtype of the user's tree that none of a device's leaves has, the first leaf of
-    that dtype is given to the device's optimizer as an empty array (``LeafView.stand_in``):
+    that dtype is given to the device's optimizer as one row of zeros (``LeafView.stand_in``):
     optax reads the tree's dtypes (``optax.inject_hyperparams`` keeps its hyperparameters in
     the tree's highest float dtype), so a device holding only bfloat16 leaves of a tree with
     float32 ones would otherwise keep ``b2 = 0.999`` in bfloat16, where it is 1.0, and divide
@@ -150,7 +153,10 @@ def device_views(layout: StagedLayout) -> list[list[LeafView]]:
         for i, view in enumerate(views):
             if view.dtype not in present:
                 present.add(view.dtype)
-                views[i] = dataclasses.replace(view, stand_in=True)
+                # One row of zeros, not none: shape logic (muon's fan_out / fan_in) divided by 0.
+                shape = layout.param_avals[i].shape
+                stand_in = (1, *shape[1:]) if shape else ()
+                views[i] = dataclasses.replace(view, shape=stand_in, stand_in=True)
         out.append(views)
     return out
 
@@ -159,7 +165,7 @@ def unpack_views(
     layout: StagedLayout, views: Sequence[LeafView], rows: Sequence[jax.Array]
 ) -> list[jax.Array]:
     """Returns one device's leaves as ``views`` say, from its rows (one vector per dtype);
-    None for a leaf it does not hold (an empty array for a stand-in)."""
+    None for a leaf it does not hold (zeros for a stand-in)."""
     out: list = []
     for view in views:
         if not view.reads:
@@ -229,19 +235,24 @@ def pack_views(
 
 
 def update_row_dtypes(
-    layout: StagedLayout, views: Sequence[Sequence[LeafView]], update_dtypes: Sequence[Sequence]
+    layout: StagedLayout,
+    views: Sequence[Sequence[LeafView]],
+    update_dtypes: Sequence[Sequence],
+    incoming: Sequence[Any],
 ) -> list[Any]:
-    """Returns the dtype of each update row: the staged dtype, or float32 for a 16-bit float
-    dtype of which some device's optimizer returns an update in a wider dtype (``mu_dtype``,
-    say). Updates in the leaves' own dtypes stay in it, as optax returns them on the user's
-    tree: a transformation wrapping the update (``optax.apply_if_finite``) gets the dtypes it
+    """Returns the dtype of each update row: its ``incoming`` update row's dtype promoted with
+    the dtypes of the updates each device's optimizer returns for its leaves (float32 for a
+    bfloat16 leaf under ``mu_dtype=jnp.float32``, a float for an integer leaf under weight
+    decay), as optax returns them on the user's tree. Updates in the leaves' own dtypes stay
+    in it: a transformation wrapping the update (``optax.apply_if_finite``) gets the dtypes it
     expects, and adding a 16-bit update in float32 rounds as adding it in its dtype does."""
-    wide = set()
+    out = [jnp.dtype(dt) for dt in incoming]
     for device_views_, dtypes in zip(views, update_dtypes, strict=True):
         for view, dtype in zip(device_views_, dtypes, strict=True):
-            if view.reads and dtype is not None and jnp.dtype(dtype) != jnp.dtype(view.dtype):
-                wide.add(view.dtype)
-    return [wide_dtype(dt) if dt in wide else jnp.dtype(dt) for dt in layout.dtypes]
+            if view.reads and dtype is not None:
+                k = layout.dtype_index(view.dtype)
+                out[k] = jnp.promote_types(out[k], dtype)
+    return out
 
 
 @jax.tree_util.register_pytree_node_class
@@ -323,15 +334,45 @@ def _state_splits(
         for view, split in zip(views, leaf_splits, strict=True)
         if view.given
     ]
-    closed, (updates, _) = jax.make_jaxpr(tx.update, return_shape=True)(tree, state, tree)
-    num_updates = len(jax.tree.leaves(updates))
     splits: list = [None] * len(jax.tree.leaves(state))
+    try:
+        closed, (updates, _) = jax.make_jaxpr(tx.update, return_shape=True)(tree, state, tree)
+    except TypeError:
+        # An update that needs extra arguments (reduce_on_plateau's value=), unknown at init:
+        # its state is stored whole in every block, which is right, if not the least memory.
+        return splits
+    num_updates = len(jax.tree.leaves(updates))
     for _ in range(4):
         outs = value_splits(closed, [*held, *splits, *held], size)[num_updates:]
         if outs == splits:
             break
         splits = outs
     return splits
+
+
+def _scalar_dtypes(state: Any) -> dict[str, Any]:
+    """Returns the dtype of every scalar float leaf of an optimizer state (its
+    hyperparameters, step sizes), by path."""
+    return {
+        jax.tree_util.keystr(path): leaf.dtype
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if getattr(leaf, "shape", None) == () and jnp.issubdtype(leaf.dtype, jnp.floating)
+    }
+
+
+def _check_scalar_dtypes(whole: dict[str, Any], device: dict[str, Any], index: int) -> None:
+    """Raises PipelineError if a scalar float of a device's optimizer state has another dtype
+    than the same one has in the state ``tx.init`` makes of the user's whole tree."""
+    for path, dtype in device.items():
+        if path in whole and whole[path] != dtype:
+            raise PipelineError(
+                f"per_leaf: the optimizer state's {path} is {dtype_name(dtype)} on pipeline "
+                f"device {index} but {dtype_name(whole[path])} on your whole tree: the "
+                "transformation picks it from the leaves it sees (optax.inject_hyperparams "
+                "takes their highest float dtype, inside multi_transform or masked those of "
+                "one label), and the device holds other leaves than the tree; fix the dtype, "
+                "e.g. optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)"
+            )
 
 
 def state_layout(
@@ -341,9 +382,15 @@ def state_layout(
     the tensor axis of ``layout``, if it has one, with each state leaf split as
     ``_state_splits`` finds)."""
     tensor = _tensor(layout) if layout is not None else None
+    scalars = None
+    if layout is not None:
+        whole = jax.tree_util.tree_unflatten(treedef, list(layout.param_avals))
+        scalars = _scalar_dtypes(jax.eval_shape(tx.init, whole))
     flat = []
-    for device_views_ in views:
+    for device, device_views_ in enumerate(views):
         state = jax.eval_shape(tx.init, _view_tree(treedef, device_views_))
+        if scalars is not None:
+            _check_scalar_dtypes(scalars, _scalar_dtypes(state), device)
         leaves, state_def = jax.tree_util.tree_flatten(state)
         for leaf in leaves:
             if not isinstance(leaf, jax.ShapeDtypeStruct) or jax.dtypes.issubdtype(
@@ -381,19 +428,32 @@ def state_layout(
 
 
 def _update_dtypes(
-    tx: Any, treedef: Any, views: Sequence[Sequence[LeafView]], with_params: bool, extra: Any
+    tx: Any,
+    treedef: Any,
+    views: Sequence[Sequence[LeafView]],
+    incoming: Sequence[Any],
+    layout: StagedLayout,
+    with_params: bool,
+    extra: Any,
 ) -> list[list[Any]]:
-    """Returns, per device, the dtype of ``tx``'s update of each leaf (None where it holds
-    none, or where the updates do not have the params' structure, which ``update`` reports)."""
+    """Returns, per device, the dtype of ``tx``'s update of each leaf given updates of the
+    ``incoming`` rows' dtypes (None where it holds none, or where the updates do not have the
+    params' structure, which ``update`` reports)."""
     out = []
     for device_views_ in views:
         tree = _view_tree(treedef, device_views_)
+        grads = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, incoming[layout.dtype_index(dtype_name(x.dtype))]
+            ),
+            tree,
+        )
 
-        def updates(tree, extra):
+        def updates(tree, grads, extra):
             state = tx.init(tree)
-            return tx.update(tree, state, tree if with_params else None, **extra)[0]
+            return tx.update(grads, state, tree if with_params else None, **extra)[0]
 
-        shapes = jax.eval_shape(updates, tree, extra)
+        shapes = jax.eval_shape(updates, tree, grads, extra)
         try:
             flat = treedef.flatten_up_to(shapes)
         except (TypeError, ValueError):
@@ -563,8 +623,12 @@ def per_leaf(
     ):
         staged_layout, treedef, views, states = validate(updates, state, params)
         with_params = params is not None
+        incoming = [r.dtype for r in updates.rows]
         row_dtypes = update_row_dtypes(
-            staged_layout, views, _update_dtypes(tx, treedef, views, with_params, extra_args)
+            staged_layout,
+            views,
+            _update_dtypes(tx, treedef, views, incoming, staged_layout, with_params, extra_args),
+            incoming,
         )
 
         def body(grad_rows, state_rows, param_rows, extra):

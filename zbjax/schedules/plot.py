@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +110,13 @@ def output_path(
     folder that cannot be made."""
     if not isinstance(path, str | Path) or not str(path):
         raise ScheduleError(f"{what} path {path!r} is not a file name; give e.g. 'out{suffix}'")
+    # A trailing separator names a folder even where none exists yet (Path drops it).
+    folder = str(path).endswith(("/", os.sep))
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() or folder:
         raise ScheduleError(
-            f"{what} path {str(path)!r} is a directory; give a file name, e.g. "
-            f"{str(path / ('schedule' + suffix))!r}"
+            f"{what} path {str(path) + ('/' if folder else '')!r} is a directory; give a file "
+            f"name, e.g. {str(path / ('schedule' + suffix))!r}"
         )
     if make_folder:
         try:
