@@ -584,6 +584,39 @@ def test_per_leaf_on_split_scan_layers_and_its_state_holds_parts(tp_scan_case):
     assert state.rows[k].shape[1] // layout.tensor_size <= 2 * layout.row_size[0]
 
 
+def test_per_leaf_with_an_update_that_takes_extra_arguments_over_a_tensor_axis():
+    """reduce_on_plateau's update needs value=, which init (where the state's splits over tp
+    are worked out from a trace of the update) does not have: init raised JAX's TypeError
+    (helper R). Its state is now kept whole; the update equals optax on the user's tree."""
+
+    def loss_fn(p, x):
+        h = zbjax.stage_boundary(jnp.tanh(x @ p["a"]))
+        return jnp.mean((h @ p["c"]) ** 2)
+
+    k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    params = {"a": jax.random.normal(k0, (8, 16)) / 3, "c": jax.random.normal(k1, (16, 8)) / 3}
+    x = jax.random.normal(k2, (8, 8))
+    mesh = jax.make_mesh(
+        (2, 2), ("pp", "tp"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2
+    )
+    specs = {"a": P(None, "tp"), "c": P("tp", None)}
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=mesh, axis_name="pp", schedule="1f1b", num_microbatches=2, param_specs=specs
+    )
+    staged = pipe.stage(params, x)
+    loss, grads = pipe.value_and_grad(staged, x)
+
+    def make():
+        return optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=0))
+
+    tx = pipe.per_leaf(make())
+    updates, _ = tx.update(grads, tx.init(staged), staged, value=loss)
+    ref = make()
+    want, _ = ref.update(pipe.unstage(grads), ref.init(params), params, value=loss)
+    for name in params:
+        np.testing.assert_allclose(pipe.unstage(updates)[name], want[name], rtol=1e-5)
+
+
 @pytest.mark.parametrize("schedule", ["dag-1f1b", "dag-zb"])
 def test_two_branches_on_a_stage_dag_split_over_tp(schedule):
     """Two towers the GraphPipe partitioner puts on the two pp devices, each split
