@@ -48,7 +48,7 @@ import numpy as np
 from zbjax.errors import ScheduleError
 from zbjax.schedules.dag import topological
 from zbjax.schedules.ir import Action, Costs, Schedule
-from zbjax.schedules.simulate import backward_kinds, dependencies
+from zbjax.schedules.simulate import backward_kinds, deadlock, dependencies
 
 #: Codes of the ``kind`` table; 0 means the device idles at that tick.
 IDLE, FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, BACKWARD = 0, 1, 2, 3, 4
@@ -313,15 +313,7 @@ def pack_ticks(
                 if all(position.get(dep, (tick,))[0] < tick for dep in deps[action]):
                     main[device] = action
         if not main:
-            waiting = [
-                f"device {d} waits at {program[cursor[d]]}"
-                for d, program in enumerate(schedule.actions)
-                if cursor[d] < len(program)
-            ]
-            raise ScheduleError(
-                "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
-                "reorder the actions so every dependency can run first"
-            )
+            raise deadlock(schedule, cursor)
         for device, action in main.items():
             position[action] = (tick, 0)
             cursor[device] += 1

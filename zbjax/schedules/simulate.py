@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Sequence
 
 from zbjax.errors import ScheduleError
 from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, check_schedule
@@ -100,6 +101,20 @@ def peak_memory(schedule: Schedule) -> tuple[float, ...]:
     return tuple(peaks)
 
 
+def deadlock(schedule: Schedule, cursor: Sequence[int]) -> ScheduleError:
+    """Returns the error for a schedule whose devices all wait, each at its action
+    ``program[cursor[device]]`` (devices that ran all theirs are left out)."""
+    waiting = [
+        f"device {d} waits at {program[cursor[d]]}"
+        for d, program in enumerate(schedule.actions)
+        if cursor[d] < len(program)
+    ]
+    return ScheduleError(
+        "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
+        "reorder the actions so every dependency can run first"
+    )
+
+
 def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     """Returns the timing of ``schedule`` run with ``costs`` (default: F = B = W = 1, no comm).
 
@@ -155,15 +170,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
             remaining -= 1
             queue.extend(waiters.pop(action, ()))
     if remaining:
-        waiting = [
-            f"device {d} waits at {program[cursor[d]]}"
-            for d, program in enumerate(schedule.actions)
-            if cursor[d] < len(program)
-        ]
-        raise ScheduleError(
-            "deadlock: no device can make progress (" + "; ".join(waiting) + "); "
-            "reorder the actions so every dependency can run first"
-        )
+        raise deadlock(schedule, cursor)
     makespan = max(end.values(), default=0.0)
     if not math.isfinite(makespan):
         raise ScheduleError(
