@@ -1773,3 +1773,51 @@ def test_a_symbolic_batch_size_is_refused_naming_the_leaf():
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     with pytest.raises(zbjax.PipelineError, match=r"batch leaf .* symbolic dimension .* concrete"):
         export.export(jax.jit(pipe.value_and_grad))(shapes, batch)
+
+
+# ----------------------------------------------------------------------------- forward only
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dag-zb"])
+def test_value_runs_the_forwards_only_and_returns_value_and_grads_loss(schedule):
+    """pipe.value: the loss (with aux, with a dropout key) of value_and_grad, from the same
+    pipeline with every backward replaced by zeros: its compiled step has the forwards'
+    matmuls only (4 here, against 11 in the training step's F, B and W)."""
+
+    def loss_fn(p, batch, key):
+        h = batch["x"]
+        for i, w in enumerate(p["w"]):
+            h = jnp.tanh(h @ w)
+            h = h * jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, h.shape) / 0.9
+            if i < 3:
+                h = zbjax.stage_boundary(h)
+        loss = jnp.mean((h - batch["y"]) ** 2)
+        return loss, {"h_norm": jnp.mean(h**2)}
+
+    rng = np.random.default_rng(3)
+    params = {"w": [jnp.asarray(rng.normal(size=(8, 8)) * 0.4, jnp.float32) for _ in range(4)]}
+    batch = {"x": rng.normal(size=(8, 8)), "y": rng.normal(size=(8, 8))}
+    kw = {"num_stages": 4} if schedule == "zb-v" else {}
+    pipe = zbjax.pipeline(
+        loss_fn,
+        mesh=pp_mesh(2 if schedule == "zb-v" else 4),
+        schedule=schedule,
+        num_microbatches=2,
+        has_aux=True,
+        **kw,
+    )
+    key = jax.random.key(7)
+    staged = pipe.stage(params, batch, key)
+    want, _ = pipe.value_and_grad(staged, batch, key)
+    for given in (staged, params):
+        got = pipe.value(given, batch, key)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def dots(step) -> int:
+        return step.lower(staged, batch, key).compile().as_text().count(" dot(")
+
+    built = pipe._get(staged, batch, key)
+    forward_dots, training_dots = dots(pipe._forward_steps[id(built)]), dots(built.step)
+    assert 0 < 2 * forward_dots < training_dots

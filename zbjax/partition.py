@@ -513,7 +513,7 @@ def _check_arity(loss_fn: Callable[..., Any], with_key: bool) -> None:
         raise PartitionError(
             f"loss_fn{signature} is called as loss_fn(params, microbatch), but it needs "
             "other arguments; if it takes a PRNG key, pass a key to every pipeline call that "
-            "takes a batch: value_and_grad, stage, lower, init_buffers, profile (microbatch "
+            "takes a batch: value_and_grad, value, stage, lower, init_buffers, profile (microbatch "
             "i gets jax.random.fold_in(key, i)), or bind extra arguments with "
             "functools.partial"
         ) from None

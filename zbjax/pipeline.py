@@ -319,6 +319,7 @@ class Pipeline:
         # far off on small stages (2-core CPU demo GPT: 5.6% slower packed by them).
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
         self._pools: dict[int, Buffers] = {}  # id(_Built) -> arenas kept between calls
+        self._forward_steps: dict[int, Callable[..., Any]] = {}  # id(_Built) -> pipe.value's
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -326,7 +327,7 @@ class Pipeline:
         self._built: dict[Any, _Built] = {}
         self._last: _Built | None = None
         self._last_inputs: tuple | None = None  # avals of the latest call, for report()
-        self._permutes_checked: set[int] = set()  # id(_Built) whose compiled step was checked
+        self._permutes_checked: set[tuple[int, str]] = set()  # (id(_Built), "step" or "forward")
 
     # ------------------------------------------------------------------ public surface
 
@@ -374,6 +375,56 @@ class Pipeline:
             return loss, grads
         self._check_permutes(built, built.step, params, batch, key)
         return built.step(params, batch, key)
+
+    def value(self, params: Any, batch: Any, key: jax.Array | None = None) -> Any:
+        """Returns what ``value_and_grad`` returns first (the mean loss over microbatches, or
+        ``(loss, aux)`` with ``has_aux``) running only the forwards: for evaluation.
+
+        It runs the same pipeline (stages, placement, schedule, exchanges) with every backward
+        replaced by zeros, which XLA drops, so it takes ``params`` in either layout, as
+        ``value_and_grad`` does, and its loss is the same computation's. Compiled once per set
+        of input shapes, beside the training step.
+        """
+        _refuse_shapes("value", params=params, batch=batch, key=key)
+        self._check_devices(params=params, batch=batch, key=key)
+        built = self._get(params, batch, key)
+        forward = self._forward_steps.get(id(built))
+        if forward is None:
+            forward = self._forward_step(built, key is not None)
+            self._forward_steps[id(built)] = forward
+        self._check_permutes(built, forward, params, batch, key, what="forward")
+        return forward(params, batch, key)
+
+    def _forward_step(self, built: _Built, with_key: bool) -> Callable[..., Any]:
+        """Returns the jitted forward-only step of ``built``: its lowering again, over stage
+        programs whose backward jaxprs return zeros of their outputs' types."""
+        programs = tuple(
+            dataclasses.replace(
+                p,
+                backward_input=_zeros_of_outputs(p.backward_input),
+                backward_weight=_zeros_of_outputs(p.backward_weight),
+                backward=_zeros_of_outputs(p.backward),
+            )
+            for p in built.programs
+        )
+        low = built.lowering
+        tensor = None
+        if low.layout.tensor_size > 1:
+            tensor = (low.layout.tensor_axis, low.layout.tensor_size, low.layout.leaf_split)
+        forward = lower(
+            built.graph,
+            programs,
+            low.schedule,
+            self.mesh,
+            self.axis_name,
+            None,
+            tensor,
+            low.key_leaf,
+        )
+        # The params' rows are the training step's: same stages, placement and leaves.
+        assert forward.layout.fingerprint == low.layout.fingerprint
+        step_fn = self._step_fn(forward, built.graph, with_key)
+        return jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[0])
 
     def init_buffers(self, params: Any, batch: Any, key: jax.Array | None = None) -> Buffers:
         """Returns new arenas for ``value_and_grad(params, batch, key, buffers=...)``
@@ -576,20 +627,21 @@ class Pipeline:
                         )
                     raise PipelineError(f"{name} {where}; {fix}")
 
-    def _check_permutes(self, built: _Built, step: Any, *args: Any) -> None:
+    def _check_permutes(self, built: _Built, step: Any, *args: Any, what: str = "step") -> None:
         """Raises PipelineError before a tensor-parallel step that would hang on XLA:CPU
         (``tensor.check_stage_permutes``), read from ``step`` compiled for ``args`` once per
-        build. The compiled step is cached, so the call that follows does not compile again
-        (inside a user's ``jit``, whose program is compiled as a whole, it is a compile more)."""
+        build (and ``what``: the training step, or the forward-only one). The compiled step is
+        cached, so the call that follows does not compile again (inside a user's ``jit``,
+        whose program is compiled as a whole, it is a compile more)."""
         if (
             self.tensor_axis is None
-            or id(built) in self._permutes_checked
+            or (id(built), what) in self._permutes_checked
             or self.mesh.devices.flat[0].platform != "cpu"
         ):
             return
         hlo = step.lower(*args).compile().as_text()
         check_stage_permutes(hlo, self.mesh, self.axis_name, self.tensor_axis)
-        self._permutes_checked.add(id(built))
+        self._permutes_checked.add((id(built), what))
 
     def _check_buffers(self, buffers: Any, built: _Built) -> None:
         if not isinstance(buffers, Buffers):
@@ -1591,6 +1643,21 @@ class Pipeline:
             return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves), pools
 
         return step
+
+
+def _zeros_of_outputs(closed: Any) -> Any:
+    """Returns a closed jaxpr with ``closed``'s inputs that returns zeros of its outputs'
+    types (float0 ones too)."""
+
+    def zeros(*_: Any) -> list[Any]:
+        return [
+            np.zeros(a.shape, a.dtype)
+            if a.dtype == jax.dtypes.float0
+            else jnp.zeros(a.shape, a.dtype)
+            for a in closed.out_avals
+        ]
+
+    return jax.make_jaxpr(zeros)(*closed.in_avals)
 
 
 def _new_buffers(built: _Built) -> Buffers:
