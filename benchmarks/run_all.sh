@@ -27,6 +27,7 @@ run benchmarks/compile_time.py --repeats 3
 run benchmarks/compile_layers.py --layers 8 32 128 --repeats 3
 run benchmarks/build_time.py --repeats 3 --layers 8 16 32 48
 run benchmarks/optimizer.py --rounds 21
+run benchmarks/evaluation.py --rounds 11
 run benchmarks/tensor_parallel.py --rounds 11
 run benchmarks/step_time.py --rounds 21 --microbatches 4 8 16
 run benchmarks/buffers.py --rounds 41

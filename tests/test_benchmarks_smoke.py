@@ -22,6 +22,7 @@ import build_time  # noqa: E402
 import bw_in_step  # noqa: E402
 import bw_split  # noqa: E402
 import compile_layers  # noqa: E402
+import evaluation  # noqa: E402
 import gpu  # noqa: E402
 import in_context  # noqa: E402
 import lockstep  # noqa: E402
@@ -460,6 +461,15 @@ def test_compile_layers_times_both_steps_and_counts_the_kernels_offsets_set_apar
     )
     separate, sliced = compile_layers.slices_against_arrays(count=4, size=8)
     assert separate > 0 and sliced > 0
+
+
+def test_evaluation_times_value_against_value_and_grads_loss():
+    cfg = gpt.GPTConfig(vocab_size=16, seq_len=8, d_model=16, num_heads=2, num_layers=2)
+    (row,) = evaluation.measure(["1f1b"], 1, cfg)
+    assert row[0] == "1f1b" and row[1] > 0 and row[2] > 0 and row[3] > 0
+    assert re.search(
+        r"^\| 1f1b \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", evaluation.table([row]), re.M
+    )
 
 
 def test_run_all_reruns_every_section_with_the_command_that_made_it():
