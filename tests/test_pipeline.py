@@ -1819,5 +1819,5 @@ def test_value_runs_the_forwards_only_and_returns_value_and_grads_loss(schedule)
         return step.lower(staged, batch, key).compile().as_text().count(" dot(")
 
     built = pipe._get(staged, batch, key)
-    forward_dots, training_dots = dots(pipe._forward_steps[id(built)]), dots(built.step)
+    forward_dots, training_dots = dots(pipe._forward_steps[id(built)][1]), dots(built.step)
     assert 0 < 2 * forward_dots < training_dots

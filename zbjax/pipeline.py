@@ -319,7 +319,8 @@ class Pipeline:
         # far off on small stages (2-core CPU demo GPT: 5.6% slower packed by them).
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
         self._pools: dict[int, Buffers] = {}  # id(_Built) -> arenas kept between calls
-        self._forward_steps: dict[int, Callable[..., Any]] = {}  # id(_Built) -> pipe.value's
+        # id(_Built) -> (it, its forward-only step for pipe.value)
+        self._forward_steps: dict[int, tuple[_Built, Callable[..., Any]]] = {}
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -388,10 +389,11 @@ class Pipeline:
         _refuse_shapes("value", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
-        forward = self._forward_steps.get(id(built))
-        if forward is None:
-            forward = self._forward_step(built, key is not None)
-            self._forward_steps[id(built)] = forward
+        kept = self._forward_steps.get(id(built))
+        if kept is None or kept[0] is not built:  # (a build not cached may reuse an id)
+            kept = (built, self._forward_step(built, key is not None))
+            self._forward_steps[id(built)] = kept
+        forward = kept[1]
         self._check_permutes(built, forward, params, batch, key, what="forward")
         return forward(params, batch, key)
 
