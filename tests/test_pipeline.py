@@ -1821,3 +1821,25 @@ def test_value_runs_the_forwards_only_and_returns_value_and_grads_loss(schedule)
     built = pipe._get(staged, batch, key)
     forward_dots, training_dots = dots(pipe._forward_steps[id(built)][1]), dots(built.step)
     assert 0 < 2 * forward_dots < training_dots
+
+
+def test_value_keeps_no_forward_step_for_a_build_closing_over_a_trace():
+    """A loss_fn reading a value of the enclosing jit is built anew for each trace and not
+    cached; pipe.value kept its forward step anyway, one more per call (helper R2)."""
+    params, batch = two_layer_case(0)
+    params = {"w1": params["w1"], "w2": params["w2"], "scale": 1.0}
+    scale = {}
+
+    def loss_fn(p, b):
+        return scalar_loss(p, b) * scale["now"]
+
+    pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), schedule="1f1b", num_microbatches=2)
+
+    def evaluate(p, b, s):
+        scale["now"] = s
+        return pipe.value(p, b)
+
+    for s in (2.0, 3.0):
+        got = jax.jit(evaluate)(params, batch, jnp.float32(s))
+        np.testing.assert_allclose(got, s * scalar_loss(params, batch), rtol=1e-5)
+    assert not pipe._forward_steps

@@ -392,7 +392,10 @@ class Pipeline:
         kept = self._forward_steps.get(id(built))
         if kept is None or kept[0] is not built:  # (a build not cached may reuse an id)
             kept = (built, self._forward_step(built, key is not None))
-            self._forward_steps[id(built)] = kept
+            # A build closing over the enclosing trace's values is not cached; nor is its
+            # forward step (it would keep that trace's constants alive, one per call).
+            if any(b is built for b in self._built.values()):
+                self._forward_steps[id(built)] = kept
         forward = kept[1]
         self._check_permutes(built, forward, params, batch, key, what="forward")
         return forward(params, batch, key)
