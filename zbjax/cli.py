@@ -268,7 +268,7 @@ def _writing(flag: str, path: Any, write: Callable[[], Any]) -> None:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     """Builds, validates and simulates one schedule; prints it; writes --plot/--trace files."""
     from zbjax import schedules
-    from zbjax.schedules.plot import output_path
+    from zbjax.schedules.plot import make_parent_folder, output_path
 
     _check_positive("-p", args.p)
     _check_positive("-m", args.m)
@@ -286,21 +286,14 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
             f"and zb-auto, not {args.name}"
         )
     # The paths are checked now and their folders made once the schedule is built.
-    outputs = {
-        "--plot": (args.plot, ".png", True),
-        "--trace": (args.trace, ".json", False),
-    }
-    written = {}
-    for flag, (path, suffix, add) in outputs.items():
-        if path is not None:
-            where = output_path(path, flag, suffix, add_suffix=add, make_folder=False)
-            if where.resolve() in written:
-                raise UsageError(
-                    f"--plot and --trace both name {str(where)!r}; give them different files"
-                )
-            written[where.resolve()] = flag
+    plot = trace = None
     if args.plot is not None:
+        plot = output_path(args.plot, "--plot", ".png", add_suffix=True, make_folder=False)
         _check_image_format(args.plot)
+    if args.trace is not None:
+        trace = output_path(args.trace, "--trace", ".json", make_folder=False)
+    if plot is not None and trace is not None and plot.resolve() == trace.resolve():
+        raise UsageError(f"--plot and --trace both name {str(plot)!r}; give them different files")
     options = _auto_options(args) if args.name == "zb-auto" else _dag_options(args)
     if args.name in schedules.DAG_SCHEDULE_NAMES and not options:
         raise UsageError(
@@ -330,10 +323,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     schedules.validate(schedule)
     result = schedules.simulate(schedule, costs)
 
-    plot, trace = (
-        None if path is None else output_path(path, flag, suffix, add_suffix=add)
-        for flag, (path, suffix, add) in outputs.items()
-    )
+    for flag, path in (("--plot", plot), ("--trace", trace)):
+        if path is not None:
+            make_parent_folder(path, flag)
     if plot is not None:
         from zbjax.schedules.plot import gantt
 

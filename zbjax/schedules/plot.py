@@ -119,14 +119,19 @@ def output_path(
             f"name, e.g. {str(path / ('schedule' + suffix))!r}"
         )
     if make_folder:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ScheduleError(
-                f"{what} path {str(path)!r}: its folder {str(path.parent)!r} cannot be made "
-                f"({err.strerror or err}); give a file in a folder you can write to"
-            ) from None
+        make_parent_folder(path, what)
     return path.with_name(path.name + suffix) if add_suffix and not path.suffix else path
+
+
+def make_parent_folder(path: Path, what: str) -> None:
+    """Makes the folder of a file ``path`` given for ``what``, or raises ScheduleError."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ScheduleError(
+            f"{what} path {str(path)!r}: its folder {str(path.parent)!r} cannot be made "
+            f"({err.strerror or err}); give a file in a folder you can write to"
+        ) from None
 
 
 def text_grid(schedule: Schedule, result: SimResult | Costs | None = None, width: int = 120) -> str:
