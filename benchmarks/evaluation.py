@@ -2,10 +2,12 @@
 
 The demo's GPT (8 blocks, d 64) pipelined over 8 fake CPU devices (zb-v and interleaved-1f1b
 over 4, two stages each) under five schedules: for each, the jitted ``pipe.value(staged,
-batch)`` against the jitted ``pipe.value_and_grad(staged, batch)[0]`` (which runs every
-backward: the tick loop is one ``lax.scan``), timed in alternating rounds; the ratio is taken
-within each round, and the table gives medians. Both return the same loss (checked). Writes
-the section "evaluation" of ``benchmarks/RESULTS.md``.
+batch)`` (the schedule's forwards alone, no residuals stored) against the jitted
+``pipe.value_and_grad(staged, batch)[0]`` (which runs every backward: the tick loop is one
+``lax.scan``), timed in alternating rounds; the ratio is taken within each round, and the
+table gives medians, and each compiled step's temporary bytes per device
+(``memory_analysis``). Both return the same loss (checked). Writes the section "evaluation"
+of ``benchmarks/RESULTS.md``.
 
 Run: ``python benchmarks/evaluation.py [--rounds N]``.
 """
@@ -37,7 +39,8 @@ MICROBATCHES = 8
 
 
 def measure(schedules: Sequence[str], rounds: int, cfg: gpt.GPTConfig = CFG) -> list[tuple]:
-    """Returns per schedule (name, value s, value_and_grad's loss s, median ratio)."""
+    """Returns per schedule (name, value s, value_and_grad's loss s, median ratio, and the
+    temporary bytes of each compiled step)."""
     import zbjax
 
     loss_fn = gpt.make_loss_fn(cfg)
@@ -69,12 +72,17 @@ def measure(schedules: Sequence[str], rounds: int, cfg: gpt.GPTConfig = CFG) -> 
             rounds,
         )
         ratios = [a / b for a, b in zip(times["value"], times["value_and_grad"], strict=True)]
+        temp = [
+            f.lower(staged, batch).compile().memory_analysis().temp_size_in_bytes
+            for f in (forward, training)
+        ]
         rows.append(
             (
                 name,
                 statistics.median(times["value"]),
                 statistics.median(times["value_and_grad"]),
                 statistics.median(ratios),
+                *temp,
             )
         )
     return rows
@@ -82,11 +90,15 @@ def measure(schedules: Sequence[str], rounds: int, cfg: gpt.GPTConfig = CFG) -> 
 
 def table(rows: Sequence[tuple]) -> str:
     lines = [
-        "| schedule | pipe.value (ms) | value_and_grad's loss (ms) | ratio |",
-        "|---|---:|---:|---:|",
+        "| schedule | pipe.value (ms) | value_and_grad's loss (ms) | ratio | "
+        "temp MiB: pipe.value / value_and_grad |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for name, value, both, ratio in rows:
-        lines.append(f"| {name} | {value * 1e3:.2f} | {both * 1e3:.2f} | {ratio:.2f} |")
+    for name, value, both, ratio, value_temp, both_temp in rows:
+        lines.append(
+            f"| {name} | {value * 1e3:.2f} | {both * 1e3:.2f} | {ratio:.2f} | "
+            f"{value_temp / 2**20:.2f} / {both_temp / 2**20:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -106,9 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"Made by `{COMMAND} --rounds {args.rounds}` (jax {jax.__version__}, fake CPU "
             f"devices). The demo's GPT (8 blocks, d 64, batch {BATCH}, m = {MICROBATCHES}) over "
             "8 devices, 4 for zb-v and interleaved-1f1b (2 stages each). `pipe.value` runs the "
-            "same pipeline with its backwards replaced by zeros; `value_and_grad`'s loss, "
-            "jitted alone, runs every backward. Medians over rounds; the ratio is the median "
-            "of per-round ratios. The losses are equal.",
+            "forwards of the same pipeline's schedule alone (each device's F in the schedule's "
+            "order, no residuals stored); `value_and_grad`'s loss, jitted alone, runs every "
+            "backward. Medians over rounds; the ratio is the median of per-round ratios. Temp: "
+            "each compiled step's temporary bytes on one device (`memory_analysis()`; the "
+            "staged params are arguments, not temporaries). The losses are equal.",
             "",
             table(rows),
             "",

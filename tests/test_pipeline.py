@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import zbjax
 from models import gpt, gpt_scan, mlp
 from zbjax.microbatch import reference_value_and_grad
-from zbjax.ticks import segment_ticks, tick_tables
+from zbjax.ticks import FORWARD, IDLE, segment_ticks, tick_tables
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -1781,8 +1781,8 @@ def test_a_symbolic_batch_size_is_refused_naming_the_leaf():
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dag-zb"])
 def test_value_runs_the_forwards_only_and_returns_value_and_grads_loss(schedule):
     """pipe.value: the loss (with aux, with a dropout key) of value_and_grad, from the same
-    pipeline with every backward replaced by zeros: its compiled step has the forwards'
-    matmuls only (4 here, against 11 in the training step's F, B and W)."""
+    pipeline's forwards alone: its compiled step has the forwards' matmuls only (4 here,
+    against 11 in the training step's F, B and W), its ticks only F, and no arenas."""
 
     def loss_fn(p, batch, key):
         h = batch["x"]
@@ -1819,8 +1819,18 @@ def test_value_runs_the_forwards_only_and_returns_value_and_grads_loss(schedule)
         return step.lower(staged, batch, key).compile().as_text().count(" dot(")
 
     built = pipe._get(staged, batch, key)
-    forward_dots, training_dots = dots(pipe._forward_steps[id(built)][1]), dots(built.step)
+    _, forward, step = pipe._forward_steps[id(built)]
+    forward_dots, training_dots = dots(step), dots(built.step)
     assert 0 < 2 * forward_dots < training_dots
+    # Its ticks run F alone (no backward tick: m + p - 1 of them on a chain of one stage per
+    # device), and it stores no residual.
+    kinds = set(np.unique(forward.tables.kind).tolist())
+    assert kinds == {IDLE, FORWARD}, kinds
+    training = built.lowering
+    assert 2 * forward.tables.num_ticks <= training.tables.num_ticks
+    if schedule == "1f1b":
+        assert forward.tables.num_ticks == 2 + 4 - 1
+    assert forward.slot_pool_bytes() == 0 < training.slot_pool_bytes()
 
 
 def test_value_keeps_no_forward_step_for_a_build_closing_over_a_trace():

@@ -266,3 +266,35 @@ def test_malformed_schedules_and_costs_raise_schedule_errors(make, needle):
 def test_bad_arguments_to_build_and_validate_raise_schedule_errors(call, needle):
     with pytest.raises(ScheduleError, match=needle):
         call()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "zb-h2", "interleaved-1f1b", "dag-zb"])
+def test_forwards_runs_every_forward_and_keeps_devices_busy(name):
+    """Schedule.forwards (what pipe.value runs): every F on its device, same placement and
+    edges, no memory limit; under unit costs a chain of one stage per device takes m + p - 1,
+    and no schedule takes more than its busiest device's forwards plus the longest path's;
+    zb-v's forwards in its training order took 28 for 18 (4 stages, 2 devices, m 8);
+    validate refuses it as a training schedule."""
+    m = 8
+    if name == "dag-zb":
+        edges = ((0, 1), (0, 2), (1, 3), (2, 3))
+        schedule = build(name, 4, m, edges=edges, placement=(0, 1, 2, 3))
+    elif name == "zb-h2":
+        schedule = build(name, 4, m, mem_limit=8.0)
+    else:
+        schedule = build(name, 4, m)  # (zb-v and interleaved-1f1b: on 2 devices)
+    forwards = schedule.forwards()
+    for program, kept in zip(schedule.actions, forwards.actions, strict=True):
+        assert sorted(kept) == sorted(a for a in program if a.kind == "F")
+    assert forwards.placement == schedule.placement and forwards.edges == schedule.edges
+    assert forwards.mem_limit is None
+    makespan = simulate(forwards, Costs(1, 1, 1)).makespan
+    busiest = max(len(program) for program in forwards.actions)
+    depth = 3 if name == "dag-zb" else schedule.num_stages
+    assert makespan <= busiest + depth - 1
+    if schedule.num_devices == schedule.num_stages and name != "dag-zb":
+        assert makespan == m + 4 - 1
+    if name == "zb-v":
+        assert makespan == 18
+    with pytest.raises(ScheduleError, match="completeness rule"):
+        validate(forwards)

@@ -92,6 +92,10 @@ def test_every_schedule_matches_value_and_grad(schedule):
     want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
     assert _max_diff(grads, want_grads) < 1e-5
+    if schedule in ("1f1b", "zb-v"):
+        # pipe.value, the forwards alone, over the same pipeline x data x tensor mesh.
+        value = jax.jit(pipe.value)(params, batch)
+        np.testing.assert_allclose(float(value), float(want_loss), rtol=1e-6)
 
 
 def test_staged_params_are_split_over_the_tensor_axis():

@@ -97,7 +97,7 @@ from zbjax.partition import (
 from zbjax.profile import measure_exchange_costs, measure_stage_costs
 from zbjax.schedules.dag import topological_order
 from zbjax.schedules.ir import Costs, Schedule, integer, real_number
-from zbjax.split import split
+from zbjax.split import forwards_only, split
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import check_row_splits, check_stage_permutes, leaf_splits, tensor_axis
 from zbjax.trace import ActionTimes, action_times, make_output_dir
@@ -320,7 +320,7 @@ class Pipeline:
         self.pack_ticks = costs is not None if pack_ticks is None else pack_ticks
         self._pools: dict[int, Buffers] = {}  # id(_Built) -> arenas kept between calls
         # id(_Built) -> (it, its forward-only step for pipe.value)
-        self._forward_steps: dict[int, tuple[_Built, Callable[..., Any]]] = {}
+        self._forward_steps: dict[int, tuple[_Built, Lowering, Callable[..., Any]]] = {}
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -381,45 +381,39 @@ class Pipeline:
         """Returns what ``value_and_grad`` returns first (the mean loss over microbatches, or
         ``(loss, aux)`` with ``has_aux``) running only the forwards: for evaluation.
 
-        It runs the same pipeline (stages, placement, schedule, exchanges) with every backward
-        replaced by zeros, which XLA drops, so it takes ``params`` in either layout, as
-        ``value_and_grad`` does, and its loss is the same computation's. Compiled once per set
-        of input shapes, beside the training step.
+        It runs the training step's pipeline (stages, placement, exchanges) through the
+        forwards of its schedule alone: each device runs its F actions in the schedule's
+        order, stores no residuals and runs no backward tick. It takes ``params`` in either
+        layout, as ``value_and_grad`` does, and its loss is the same computation's. Compiled
+        once per set of input shapes, beside the training step.
         """
         _refuse_shapes("value", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         kept = self._forward_steps.get(id(built))
         if kept is None or kept[0] is not built:  # (a build not cached may reuse an id)
-            kept = (built, self._forward_step(built, key is not None))
+            kept = (built, *self._forward_step(built, key is not None))
             # A build closing over the enclosing trace's values is not cached; nor is its
             # forward step (it would keep that trace's constants alive, one per call).
             if any(b is built for b in self._built.values()):
                 self._forward_steps[id(built)] = kept
-        forward = kept[1]
+        forward = kept[2]
         self._check_permutes(built, forward, params, batch, key, what="forward")
         return forward(params, batch, key)
 
-    def _forward_step(self, built: _Built, with_key: bool) -> Callable[..., Any]:
-        """Returns the jitted forward-only step of ``built``: its lowering again, over stage
-        programs whose backward jaxprs return zeros of their outputs' types."""
-        programs = tuple(
-            dataclasses.replace(
-                p,
-                backward_input=_zeros_of_outputs(p.backward_input),
-                backward_weight=_zeros_of_outputs(p.backward_weight),
-                backward=_zeros_of_outputs(p.backward),
-            )
-            for p in built.programs
-        )
+    def _forward_step(self, built: _Built, with_key: bool) -> tuple[Lowering, Callable[..., Any]]:
+        """Returns the lowering and the jitted step of ``built``'s forward pass: the forwards
+        of its schedule (``Schedule.forwards``, each device's F in the training order) over stage
+        programs that compute their outputs alone (``split.forwards_only``), so no residual
+        is stored and no backward tick runs."""
         low = built.lowering
         tensor = None
         if low.layout.tensor_size > 1:
             tensor = (low.layout.tensor_axis, low.layout.tensor_size, low.layout.leaf_split)
         forward = lower(
             built.graph,
-            programs,
-            low.schedule,
+            tuple(forwards_only(p) for p in built.programs),
+            low.schedule.forwards(),
             self.mesh,
             self.axis_name,
             None,
@@ -429,7 +423,8 @@ class Pipeline:
         # The params' rows are the training step's: same stages, placement and leaves.
         assert forward.layout.fingerprint == low.layout.fingerprint
         step_fn = self._step_fn(forward, built.graph, with_key)
-        return jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[0])
+        step = jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[0])
+        return forward, step
 
     def init_buffers(self, params: Any, batch: Any, key: jax.Array | None = None) -> Buffers:
         """Returns new arenas for ``value_and_grad(params, batch, key, buffers=...)``
@@ -1648,21 +1643,6 @@ class Pipeline:
             return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves), pools
 
         return step
-
-
-def _zeros_of_outputs(closed: Any) -> Any:
-    """Returns a closed jaxpr with ``closed``'s inputs that returns zeros of its outputs'
-    types (float0 ones too)."""
-
-    def zeros(*_: Any) -> list[Any]:
-        return [
-            np.zeros(a.shape, a.dtype)
-            if a.dtype == jax.dtypes.float0
-            else jnp.zeros(a.shape, a.dtype)
-            for a in closed.out_avals
-        ]
-
-    return jax.make_jaxpr(zeros)(*closed.in_avals)
 
 
 def _new_buffers(built: _Built) -> Buffers:

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
 from zbjax._jax_compat import (
@@ -253,6 +254,46 @@ def split_stage(
         activation_bytes=_stored_residual_bytes(forward, len(stage.jaxpr.out_avals)),
         stash_bytes=avals_bytes(stash_avals),
     )
+
+
+def forwards_only(program: StageProgram) -> StageProgram:
+    """Returns ``program`` computing its stage's outputs alone: its forward without the
+    residuals (and what only they needed), no stash, and backward programs that return zeros
+    (a lowering of ``Schedule.forwards`` never runs them; they keep their signatures). For
+    evaluation: a stage's F then stores nothing."""
+    num_out = len(program.stage.jaxpr.out_avals)
+    forward = program.forward
+    forward = dce_closed_jaxpr(forward, [k < num_out for k in range(len(forward.out_avals))])
+    num_in_cts = len(program.backward_input.out_avals) - len(program.stash_avals)
+    num_out_cts = len(program.backward.in_avals) - len(program.residual_avals)
+    cotangents = program.backward.in_avals[len(program.residual_avals) :]
+    assert len(cotangents) == num_out_cts
+    return replace(
+        program,
+        forward=forward,
+        backward_input=_zeros_jaxpr(cotangents, program.backward_input.out_avals[:num_in_cts]),
+        backward_weight=_zeros_jaxpr((), program.backward_weight.out_avals),
+        backward=_zeros_jaxpr(cotangents, program.backward.out_avals),
+        residual_avals=(),
+        stash_avals=(),
+        activation_bytes=0,
+        stash_bytes=0,
+    )
+
+
+def _zeros_jaxpr(in_avals: Sequence[Any], out_avals: Sequence[Any]) -> ClosedJaxpr:
+    """Returns a closed jaxpr taking ``in_avals`` that returns zeros of ``out_avals``."""
+
+    def zeros(*_: Any) -> list[Any]:
+        # (float0 zeros, a non-differentiable input's cotangent, are NumPy's alone.)
+        return [
+            np.zeros(a.shape, a.dtype)
+            if a.dtype == jax.dtypes.float0
+            else jnp.zeros(a.shape, a.dtype)
+            for a in out_avals
+        ]
+
+    return jax.make_jaxpr(zeros)(*in_avals)
 
 
 def _stored_residual_bytes(forward: ClosedJaxpr, num_outputs: int) -> int:

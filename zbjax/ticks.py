@@ -861,13 +861,18 @@ def _lifetimes(
     ``tick_of`` (times in the order the device runs its actions).
 
     Residuals live from F until B or BW (until W where ``residuals_until_weight``), kept
-    residuals from F until W or BW (stages with ``kept``), the stash from B until W."""
+    residuals from F until W or BW (stages with ``kept``), the stash from B until W. In a
+    schedule of forwards only (``Schedule.forwards``), F's residuals live for its tick."""
     residual: list[list] = [[] for _ in range(num_devices)]
     kept_out: list[list] = [[] for _ in range(num_devices)]
     stash: list[list] = [[] for _ in range(num_devices)]
     at = {(a.kind, a.stage, a.microbatch): tick for a, tick in tick_of.items()}
+    forwards_only = all(kind == "F" for kind, _, _ in at)
     for (kind, s, i), tick in at.items():
         if kind != "F":
+            continue
+        if forwards_only:
+            residual[placement[s]].append((tick, tick + 1, (s, i)))
             continue
         last = ("W", s, i) if ("B", s, i) in at else ("BW", s, i)
         if last not in at:

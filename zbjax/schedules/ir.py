@@ -8,7 +8,9 @@ unless the model branches) and, per device, the ordered list of actions that dev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import heapq
 import math
 import numbers
 import operator
@@ -266,6 +268,39 @@ class Schedule:
             f"d{device}: " + " ".join(str(a) for a in program)
             for device, program in enumerate(self.actions)
         )
+
+    def forwards(self) -> Schedule:
+        """Returns this schedule's forward pass, for evaluation (what ``pipe.value`` runs):
+        every F on its device, without a memory limit, each device's in the order a list
+        schedule of unit-time forwards starts them: whenever a device is free it runs its
+        ready forward of the lowest microbatch (then stage). A chain of one stage per device
+        takes m + p - 1 units, as its training order does; zb-v's V (two stages a device) 18
+        for 4 stages and m = 8, where the training order's forwards take 28. Not a training
+        schedule (``validate`` refuses it: every F needs its backward)."""
+        stages, micro = self.num_stages, self.num_microbatches
+        waiting = {(s, i): len(self.predecessors(s)) for s in range(stages) for i in range(micro)}
+        ready: list[list[tuple[int, int]]] = [[] for _ in range(self.num_devices)]
+        for (s, i), count in waiting.items():
+            if not count:
+                heapq.heappush(ready[self.placement[s]], (i, s))
+        order: list[list[Action]] = [[] for _ in range(self.num_devices)]
+        busy = {d for d, r in enumerate(ready) if r}
+        while busy:
+            started = []
+            for device in sorted(busy):
+                i, s = heapq.heappop(ready[device])
+                order[device].append(Action("F", s, i))
+                started.append((s, i))
+                if not ready[device]:
+                    busy.discard(device)
+            for s, i in started:
+                for successor in self.successors(s):
+                    waiting[(successor, i)] -= 1
+                    if not waiting[(successor, i)]:
+                        device = self.placement[successor]
+                        heapq.heappush(ready[device], (i, successor))
+                        busy.add(device)
+        return dataclasses.replace(self.with_actions(order), mem_limit=None)
 
     def with_actions(self, actions: Sequence[Sequence[Action]]) -> Schedule:
         """Returns a copy of this schedule with other per-device action lists."""
