@@ -5,6 +5,7 @@ import io
 import json
 import pathlib
 import random
+import re
 
 import numpy as np
 import pytest
@@ -104,6 +105,19 @@ def test_final_loss_equals_unpipelined_adamw_run_of_the_same_steps(tiny_run):
     assert result.passed
 
 
+def test_held_out_loss_from_pipe_value_falls_and_equals_the_unpipelined_loss(tiny_run):
+    """The demo evaluates held-out text with pipe.value (the forwards alone) before and after
+    training: the loss falls, and after training it equals loss_fn unpipelined on the
+    trained params; the summary says so."""
+    result = tiny_run[0]
+    held = result.held_out
+    assert held is not None and held.passed
+    assert held.after < held.before
+    assert held.after == pytest.approx(held.reference, rel=1e-5)
+    assert "held-out evaluation" in dict(result.phase_seconds)
+    assert re.search(r"held-out loss \(pipe.value.*\.\.\. PASS", summary(result))
+
+
 def test_report_progress_and_schedule_files(tiny_run):
     result, reports, steps = tiny_run
     assert len(reports) == 1
@@ -126,7 +140,7 @@ def test_report_progress_and_schedule_files(tiny_run):
     median_step = float(np.median(result.step_seconds[1:]))
     assert makespan_us == pytest.approx(median_step * 1e6, rel=1e-6)
     text = summary(result)
-    assert text.count("PASS") == 2 and "FAIL" not in text
+    assert text.count("PASS") == 3 and "FAIL" not in text  # first step, final, held-out
     assert f"lasts the median measured step ({median_step * 1e3:.1f} ms)" in text
 
 

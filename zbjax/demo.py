@@ -3,8 +3,10 @@
 ``run_demo(DemoConfig(...))`` trains ``models.gpt`` on a character-level corpus that
 ``zbjax.data`` generates at run time, with ``zbjax.pipeline`` over a 1-D ``pp`` mesh and
 ``optax.adamw`` (weight decay on matrices), and returns a ``DemoResult``: the loss curve, step
-times, the first step compared with ``jax.value_and_grad(loss_fn)``, and the final loss
-compared with an unpipelined run of the same steps (same batches, same optimizer). The command
+times, the first step compared with ``jax.value_and_grad(loss_fn)``, the final loss
+compared with an unpipelined run of the same steps (same batches, same optimizer), and the
+loss on held-out text (``pipe.value``, the forwards alone) before and after training, the
+latter against ``loss_fn`` unpipelined on the trained params. The command
 line (``zbjax.cli``) only prints what the callbacks and the result say.
 
 Choices a user would want to know:
@@ -136,6 +138,18 @@ class FinalCheck:
 
 
 @dataclass(frozen=True)
+class HeldOutCheck:
+    """The loss on held-out text (``pipe.value``, forwards only) before and after training,
+    and after it against ``loss_fn`` unpipelined on the same params."""
+
+    before: float
+    after: float
+    reference: float
+    rel_diff: float
+    passed: bool
+
+
+@dataclass(frozen=True)
 class DemoResult:
     """What ``run_demo`` measured: losses, timings, checks, and the files it wrote."""
 
@@ -154,6 +168,7 @@ class DemoResult:
     phase_seconds: tuple[tuple[str, float], ...]  # where the wall time went
     wall_seconds: float
     action_times: ActionTimes | None = None  # per action and device, from the profiled steps
+    held_out: HeldOutCheck | None = None
 
     @property
     def loss_decreased(self) -> bool:
@@ -167,8 +182,12 @@ class DemoResult:
 
     @property
     def passed(self) -> bool:
-        """Returns whether the first-step check and (when run) the final check passed."""
-        return self.first_step.passed and (self.final is None or self.final.passed)
+        """Returns whether the first-step, held-out and (when run) final checks passed."""
+        return (
+            self.first_step.passed
+            and (self.final is None or self.final.passed)
+            and (self.held_out is None or self.held_out.passed)
+        )
 
 
 def request_cpu_devices(num_devices: int | None) -> bool:
@@ -390,6 +409,13 @@ def compare_first_step(
     )
 
 
+def compare_held_out(before: float, after: float, reference: float) -> HeldOutCheck:
+    """Returns the held-out check: ``after`` (``pipe.value`` on the trained params) against
+    ``reference`` (``loss_fn`` unpipelined on them) within ``LOSS_RTOL``."""
+    rel = abs(after - reference) / abs(reference)
+    return HeldOutCheck(before, after, reference, rel, rel <= LOSS_RTOL)
+
+
 def compare_final(
     losses: Sequence[float],
     final_params: Any,
@@ -504,6 +530,14 @@ def run_demo(
     def batches(step: int) -> dict[str, np.ndarray]:
         return batch_at(corpus, step, config.batch_size, config.seq_len, seed=config.seed)
 
+    # Text the training never sees: the same grammar, drawn from another seed.
+    held_out_corpus = tokenizer.encode(
+        synthetic_text(max(config.corpus_chars // 8, 4 * config.seq_len), seed=config.seed + 1)
+    )
+    held_out_batch = batch_at(
+        held_out_corpus, 0, config.batch_size, config.seq_len, seed=config.seed + 1
+    )
+
     notes: list[str] = [chosen] if chosen is not None else []
     loss_fn = gpt.make_loss_fn(cfg)
     params = rescale_init(gpt.init_params(jax.random.key(config.seed), cfg), cfg.num_layers)
@@ -549,6 +583,10 @@ def run_demo(
     staged, state = jax.device_put((staged, state), shardings)
     apply = _adamw_step(staged_optimizer, out_shardings=shardings)
 
+    tick = time.perf_counter()
+    held_out_before = float(pipe.value(staged, held_out_batch))  # the forwards alone
+    evaluating = time.perf_counter() - tick
+
     tokens_per_step = config.batch_size * config.seq_len
     # Profile two steps after the first, whose time is mostly compilation.
     profile_start = min(1, config.steps - 1)
@@ -589,6 +627,13 @@ def run_demo(
             )
 
     phases.append(("steps", sum(seconds)))
+    tick = time.perf_counter()
+    held_out = compare_held_out(
+        held_out_before,
+        float(pipe.value(staged, held_out_batch)),
+        float(jax.jit(loss_fn)(pipe.unstage(staged), held_out_batch)),
+    )
+    phases.append(("held-out evaluation", evaluating + time.perf_counter() - tick))
     # The trace shows microseconds: it gets the cost estimates scaled so that the simulated
     # step lasts as long as the measured one (a median after the first, which compiles).
     step_time = statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
@@ -639,6 +684,7 @@ def run_demo(
         phase_seconds=tuple(phases),
         wall_seconds=time.perf_counter() - started,
         action_times=traced,
+        held_out=held_out,
     )
 
 
@@ -748,6 +794,14 @@ def summary(result: DemoResult) -> str:
             f"{final.param_max_abs_diff / max(final.reference_param_change, 1e-30):.1%} of the "
             f"largest change training made ({final.reference_param_change:.1e}; tolerance "
             f"{FINAL_PARAM_RTOL:.0%}) ... {'PASS' if final.passed else 'FAIL'}"
+        )
+    if result.held_out is not None:
+        held = result.held_out
+        lines.append(
+            f"held-out loss (pipe.value, the forwards alone): {held.before:.4f} before "
+            f"training, {held.after:.4f} after; loss_fn unpipelined on the trained params "
+            f"{held.reference:.6f} (rel diff {held.rel_diff:.1e}) ... "
+            f"{'PASS' if held.passed else 'FAIL'}"
         )
     if result.action_times is not None:
         lines += [
