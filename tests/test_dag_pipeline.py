@@ -323,6 +323,20 @@ def test_bad_partitioner_options_raise_errors_that_name_the_fix(diamond):
     too_wide = zbjax.pipeline(_diamond_loss, mesh=_mesh(8), schedule="dag-1f1b", num_microbatches=2)
     with pytest.raises(ScheduleError, match="4 stages, fewer than the 8 devices"):
         too_wide.lower(params, batch)
+    # GraphPipe cuts a marked model at its markers alone: the fix offered for too few marked
+    # stages says to remove them, and partitioner='graph' says why it makes no more stages
+    # (it blamed a scan or checkpoint the model does not have; helper HA, session 43).
+    with pytest.raises(ScheduleError, match="remove the markers and use partitioner='graph'"):
+        too_wide.lower(params, batch)
+    graph = zbjax.pipeline(
+        _diamond_loss, mesh=_mesh(8), schedule="dag-1f1b", num_microbatches=2, partitioner="graph"
+    )
+    with pytest.raises(
+        ScheduleError,
+        match=r"cuts a marked loss_fn only at its markers .* its 3 stage_boundary markers "
+        r"leave 5 stages for the 8 devices",
+    ):
+        graph.lower(params, batch)
 
 
 def _scan_stack(params, batch):

@@ -101,6 +101,23 @@ def test_op_graph_and_arguments_are_checked():
             chain_partition(chain, bad)
     with pytest.raises(PartitionError, match="refine = -3; it must be an integer >= 0"):
         graph_partition(chain, 2, 4, refine=-3)
+    # partition_from_stages and mem_limit were barely checked: raw IndexErrors, node -1 taken
+    # as the last node, num_microbatches = 0 and mem_limit = NaN accepted (helper HA).
+    bad_stages = [
+        ([[0, 1], [], [2]], "stage 1 holds no node"),
+        ([[0, 7], [1, 2]], "stage 0 names node 7; nodes are numbered 0..2"),
+        ([[0, 1], [-1]], "stage 1 names node -1"),
+    ]
+    for stages, message in bad_stages:
+        with pytest.raises(PartitionError, match=message):
+            partition_from_stages(chain, stages, 4)
+    with pytest.raises(PartitionError, match="num_microbatches = 0"):
+        partition_from_stages(chain, [[0, 1], [2]], 0)
+    with pytest.raises(PartitionError, match=r"extra edge \(0, 5\) names a stage outside 0..1"):
+        partition_from_stages(chain, [[0, 1], [2]], 4, extra_edges=[(0, 5)])
+    for limit in (float("nan"), 0, "1e9"):
+        with pytest.raises(PartitionError, match=f"mem_limit = {limit!r}; give the bytes"):
+            graph_partition(chain, 2, 4, mem_limit=limit)
     # NumPy integers are integers.
     assert graph_partition(chain, np.int64(2), np.int64(4)).num_stages == 2
     assert chain_partition(chain, np.int64(2), np.int64(4)).num_stages == 2
@@ -263,6 +280,29 @@ def test_partitioner_equals_brute_force_on_small_series_parallel_graphs(
     refined = graph_partition(graph, devices, m, mem_limit=mem_limit, refine=4)
     best_run = simulate(schedule_for(chosen, m), chosen.costs).makespan
     assert refined.simulated_step_time <= best_run + 1e-9
+    # Nor one slower than the best chain that fits mem_limit.
+    chain = chain_partition(graph, devices, m)
+    if mem_limit is None or max(chain.stage_memory()) <= mem_limit:
+        assert refined.simulated_step_time <= chain.simulated_step_time + 1e-9
+
+
+def test_a_stem_shares_a_stage_with_one_branch_where_that_is_faster():
+    """A stem feeding two towers joined by a head, on 2 devices: the series-parallel search
+    cannot put the stem with one tower (it put stem, both towers | head: 216 simulated); the
+    chain {stem, A} | {B, head} (135) is returned instead (helper HA, session 43)."""
+    graph = OpGraph(
+        [
+            OpNode("stem", 1.0, 2.0),
+            OpNode("A", 4.0, 8.0),
+            OpNode("B", 4.0, 8.0),
+            OpNode("join", 1.0, 2.0),
+        ],
+        [(0, 1), (0, 2), (1, 3), (2, 3)],
+    )
+    chosen = graph_partition(graph, 2, 8)
+    assert chosen.stage_of_node == (0, 0, 1, 1)
+    assert chosen.simulated_step_time == pytest.approx(135.0)
+    assert graph_partition(graph, 2, 8, refine=0).stage_of_node == (0, 0, 0, 1)
 
 
 def test_partition_stages_are_topologically_numbered_and_schedulable():

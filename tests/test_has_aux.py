@@ -130,14 +130,67 @@ def test_aux_errors_name_the_problem_and_the_fix():
         zbjax.pipeline(counts, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
-    # Per-example values follow the batch's rows: no mean over microbatches gives them.
-    rows = lambda p, b: (loss_fn(p, b)[0], {"first": b["tokens"][:, 0] * 1.0})  # noqa: E731
+
+    # A leaf whose shape changes with the batch other than by its rows along the first axis
+    # (per-example values come back joined): neither a mean nor the parts joined gives it.
+    def pairs(p, b):
+        first = b["tokens"][:, 0] * 1.0
+        return loss_fn(p, b)[0], {"pairs": jnp.outer(first, first)}
+
     with pytest.raises(
-        PipelineError, match=r"aux leaf \['first'\] has shape \[\d+\] for the whole"
+        PipelineError,
+        match=r"aux leaf \['pairs'\] has shape \[8, 8\] for the whole batch but \[4, 4\] for "
+        r"one microbatch: neither the same .* nor per-example rows",
     ):
-        zbjax.pipeline(rows, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+        zbjax.pipeline(pairs, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
+
+
+def _per_example_case():
+    rng = np.random.default_rng(5)
+    params = [jnp.asarray(rng.normal(size=(8, 8)) * 0.4, jnp.float32) for _ in range(4)]
+    batch = {k: jnp.asarray(rng.normal(size=(16, 8)), jnp.float32) for k in ("x", "y")}
+
+    def loss_fn(w, b):
+        h = b["x"]
+        for k in range(4):
+            h = jnp.tanh((zbjax.stage_boundary(h) if k else h) @ w[k])
+        per_example = jnp.mean((h - b["y"]) ** 2, axis=1)
+        aux = {
+            "per_example": per_example,  # [16]
+            "predictions": h,  # [16, 8]
+            "first_two": h[:, :2].reshape(-1),  # [32]: two values a row, flattened
+            "mean": jnp.mean(h),  # a metric: the mean over microbatches
+        }
+        return jnp.mean(per_example), aux
+
+    return loss_fn, params, batch
+
+
+@pytest.mark.parametrize("schedule, dp", [("1f1b", 2), ("zb-v", 1), ("dag-zb", 1)])
+def test_per_example_aux_comes_back_joined_as_value_and_grad_returns_it(schedule, dp):
+    """An aux leaf of per-example rows (predictions, a per-row loss) comes back as
+    jax.value_and_grad of the unpipelined loss returns it: each microbatch's (and data shard's)
+    rows in the batch's order, from value_and_grad and pipe.value alike; the microbatched
+    reference and the schedule executor join them too. (Refused before, as no mean of the
+    microbatches' rows is the whole batch's.)"""
+    loss_fn, params, batch = _per_example_case()
+    kw = {"num_stages": 4} if schedule == "zb-v" else {}
+    mesh = pp_mesh(2 if schedule == "zb-v" else 4, dp)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=mesh, schedule=schedule, num_microbatches=4, has_aux=True, **kw
+    )
+    want = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    assert_matches(pipe.value_and_grad(params, batch), want)
+    assert_matches((pipe.value(params, batch), want[1]), want)
+    reference = reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True, data_parallel=dp)
+    assert_matches(reference, want)
+    # Aux leaves in key order: first_two, mean, per_example, predictions.
+    assert pipe.graph.aux_rows == (True, False, True, True)
+    if dp == 1:
+        executed = run_schedule(pipe.graph, pipe.programs, pipe.schedule, params, batch)
+        assert_matches(executed, want)
 
 
 def test_aux_computed_in_the_first_stage_is_carried_to_the_last():

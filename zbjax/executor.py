@@ -34,7 +34,8 @@ def run_schedule(
     jit: bool = True,
 ) -> tuple[jax.Array, Any]:
     """Returns (loss, grads): mean loss over microbatches and grads in ``params``' structure
-    (``((loss, aux), grads)`` when the graph has ``aux_treedef``, aux averaged the same way).
+    (``((loss, aux), grads)`` when the graph has ``aux_treedef``, aux averaged the same way,
+    per-example rows joined: ``StageGraph.aux_rows``).
 
     ``batch`` is the full batch; every leaf is split along axis 0 into
     ``schedule.num_microbatches`` microbatches. When the graph was partitioned with a ``key``,
@@ -66,7 +67,7 @@ def run_schedule(
     runner.run(schedule)
     narrowed = [g.astype(a.dtype) for g, a in zip(runner.grads, graph.param_avals, strict=True)]
     grads = jax.tree_util.tree_unflatten(graph.params_treedef, narrowed)
-    return graph.loss_and_aux(runner.totals), grads
+    return graph.loss_and_aux(runner.outputs()), grads
 
 
 def _check_inputs(graph: StageGraph, programs: Sequence[StageProgram], schedule: Schedule) -> None:
@@ -172,6 +173,16 @@ class _Runner:
         self.totals = [jnp.zeros((), jnp.float32)] + [
             jnp.zeros(a.shape, a.dtype) for a in aux_avals
         ]
+        # Aux leaves of per-example rows (``StageGraph.aux_rows``): each microbatch's, joined.
+        self.rows = graph.output_rows()
+        self.row_parts: list[dict[int, Any]] = [{} for _ in self.rows]
+
+    def outputs(self) -> list[Any]:
+        """Returns the loss stage's outputs over the microbatches: means, rows joined."""
+        return [
+            jnp.concatenate([parts[i] for i in sorted(parts)]) if rows else total
+            for total, rows, parts in zip(self.totals, self.rows, self.row_parts, strict=True)
+        ]
 
     def run(self, schedule: Schedule) -> None:
         cursor = [0] * schedule.num_devices
@@ -226,9 +237,12 @@ class _Runner:
             num_out = len(stage.output_differentiable)
             if s == self.graph.loss_stage:
                 self.totals = [
-                    t + jnp.asarray(o).astype(t.dtype) / self.m
-                    for t, o in zip(self.totals, outs[:num_out], strict=True)
+                    t if rows else t + jnp.asarray(o).astype(t.dtype) / self.m
+                    for t, o, rows in zip(self.totals, outs[:num_out], self.rows, strict=True)
                 ]
+                for j, rows in enumerate(self.rows):
+                    if rows:
+                        self.row_parts[j][i] = outs[j]
             for e, values in self._by_edge(stage.out_edges, outs[:num_out]):
                 self.sent[(e, i)] = values
             self.residuals[(s, i)] = outs[num_out:]

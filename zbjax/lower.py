@@ -881,10 +881,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _zeros(avals: Sequence[Any]) -> list[jax.Array]:
-    return [jnp.zeros(a.shape, a.dtype) for a in avals]
-
-
 def _finish_before_sending(
     state: _TickState, code: jax.Array, tensor_axis: str | None = None
 ) -> _TickState:
@@ -908,7 +904,12 @@ def _finish_before_sending(
         return state
 
     def first_elements(pools: list, grads: list, loss: list) -> jax.Array:
-        parts = [jnp.ravel(b)[:1].astype(jnp.float32) for b in [*pools, *grads, *loss] if b.size]
+        # (A complex buffer's real part: casting complex to real is deprecated in JAX.)
+        parts = [
+            jnp.real(jnp.ravel(b)[:1]).astype(jnp.float32)
+            for b in [*pools, *grads, *loss]
+            if b.size
+        ]
         return jnp.sum(jnp.concatenate(parts))
 
     if tensor_axis is None:
@@ -961,6 +962,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     # (``backward_seed``), as reference_value_and_grad does.
     seed, grad_scale = backward_seed(num_micro)
     loss_aval = graph.stages[graph.loss_stage].jaxpr.out_avals[0]
+    output_rows = graph.output_rows()
     stage = graph.stages[stage_index]
     program = low.programs[stage_index]
     name = f"{_KIND_SCOPE[kind]} s{stage_index}"
@@ -1104,9 +1106,15 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                 outs = eval_jaxpr_here(program.forward, *params, *batch, *inputs)
                 outputs, residuals = outs[:n_outputs], outs[n_outputs:]
                 if stage_index == graph.loss_stage:
+                    # Summed over microbatches; an aux leaf of per-example rows goes to its
+                    # microbatch's place instead (``StageGraph.aux_rows``).
                     loss = [
-                        acc + jnp.asarray(out).astype(acc.dtype)
-                        for acc, out in zip(loss, outputs, strict=True)
+                        jax.lax.dynamic_update_index_in_dim(
+                            acc, jnp.asarray(out).astype(acc.dtype), ctx["micro"], 0
+                        )
+                        if rows
+                        else acc + jnp.asarray(out).astype(acc.dtype)
+                        for acc, out, rows in zip(loss, outputs, output_rows, strict=True)
                     ]
                 else:
                     sends = place_sends(
@@ -1242,6 +1250,9 @@ def _run(
     xs = tuple(jnp.asarray(x) for x in _tick_inputs(low))
     num_micro = low.schedule.num_microbatches
     loss_avals = low.graph.stages[low.graph.loss_stage].jaxpr.out_avals
+    # Per loss-stage output: summed over microbatches, or (per-example rows) each
+    # microbatch's written to its place in an [m, ...] buffer.
+    output_rows = low.graph.output_rows()
     msg_slots = tables.num_message_slots + 1  # + the spare that absorbs "nothing arrives"
     data_axes = low.data_axes
     always_exchanges = tables.exchanges.all(axis=0)
@@ -1295,7 +1306,11 @@ def _run(
             # The send payloads are carried from tick to tick, not refilled: an action writes
             # the positions it sends, and whatever a position held before goes, if it travels
             # at all, to the spare message slot.
-            state = _TickState(arena_bufs, grads, sends, _zeros(loss_avals))
+            tick_loss = [
+                total if rows else jnp.zeros(a.shape, a.dtype)
+                for total, rows, a in zip(loss_sum, output_rows, loss_avals, strict=True)
+            ]
+            state = _TickState(arena_bufs, grads, sends, tick_loss)
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
             # most one is taken per lane and tick); unlike one multi-way switch, this keeps the
             # buffers in place on XLA. Kind by kind (``PHASES``), lanes in order within a kind.
@@ -1369,7 +1384,10 @@ def _run(
                 state.grads,
                 message_buf,
                 state.sends,
-                [a + b.astype(a.dtype) for a, b in zip(loss_sum, state.loss, strict=True)],
+                [
+                    b if rows else a + b.astype(a.dtype)
+                    for a, b, rows in zip(loss_sum, state.loss, output_rows, strict=True)
+                ],
             )
             return carry, None
 
@@ -1378,7 +1396,12 @@ def _run(
         # and bfloat16 gradients summed in bfloat16 lost precision with m (0.016 off the
         # exact mean at m = 64, where a float32 sum is 0.003 off).
         grads = [jnp.zeros(r.shape, wide_dtype(r.dtype)) for r in rows]
-        zero = _zeros([jax.ShapeDtypeStruct(a.shape, wide_dtype(a.dtype)) for a in loss_avals])
+        zero = [
+            jnp.zeros((num_micro, *a.shape), a.dtype)
+            if rows
+            else jnp.zeros(a.shape, wide_dtype(a.dtype))
+            for a, rows in zip(loss_avals, output_rows, strict=True)
+        ]
         sends = [
             [
                 jnp.zeros(n * c, dt)
@@ -1388,11 +1411,21 @@ def _run(
         ]
         carry = (arena_bufs, grads, message_buf, sends, zero)
         (arena_bufs, grads, _, _, loss_sum), _ = jax.lax.scan(tick, carry, xs)
-        # The loss and its aux, summed on the loss stage's device: their means, on every device.
-        loss = [reduce_wide(jax.lax.psum, t, axis) / num_micro for t in loss_sum]
+        # The loss and its aux, summed on the loss stage's device: their means, on every device
+        # (per-example rows: each microbatch's, zeros elsewhere, summed to every device).
+        loss = [
+            reduce_wide(jax.lax.psum, t, axis) / (1 if rows else num_micro)
+            for t, rows in zip(loss_sum, output_rows, strict=True)
+        ]
         if data_axes:
-            # Each data-parallel shard saw an equal part of every microbatch: average.
-            loss = [reduce_wide(jax.lax.pmean, t, data_axes) for t in loss]
+            # Each data-parallel shard saw an equal part of every microbatch: average (rows:
+            # each shard's block of every microbatch's rows, gathered in order).
+            loss = [
+                jax.lax.all_gather(t, data_axes, axis=1, tiled=True)
+                if rows
+                else reduce_wide(jax.lax.pmean, t, data_axes)
+                for t, rows in zip(loss, output_rows, strict=True)
+            ]
             # Integer params' gradients are zeros of their dtype (pmean would make them float).
             grads = [
                 reduce_wide(jax.lax.pmean, g, data_axes)
@@ -1444,6 +1477,11 @@ def _run(
     args = (list(staged.rows), list(batch_leaves), xs, list(pools or ()))
     args = place_for_shard_map(mesh, args, in_specs)
     totals, grad_rows, out_pools = run(*args)
+    # Per-example rows, [m, rows of a microbatch, ...]: the batch's rows in order.
+    totals = [
+        jnp.reshape(t, (-1, *t.shape[2:])) if rows else t
+        for t, rows in zip(totals, output_rows, strict=True)
+    ]
     loss = low.graph.loss_and_aux(totals)
     grads = StagedParams(grad_rows, staged.dtypes, low.layout.fingerprint)
     return (loss, grads) if pools is None else (loss, grads, out_pools)

@@ -143,7 +143,8 @@ def reference_value_and_grad(
     ``key=...`` as ``loss_fn(params, microbatch_i, jax.random.fold_in(key, i))``. This is what a
     pipelined run must match; for a mean loss without a key it equals the full-batch result.
     With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` and this returns ``((loss, aux),
-    grads)``, aux the mean of its per-microbatch values.
+    grads)``, aux the mean of its per-microbatch values, but for leaves of per-example rows
+    (``aux_rows``), which come back joined in the batch's row order.
 
     ``data_parallel`` = S computes what a pipeline with S data-parallel shards computes: each
     microbatch's rows split into S equal blocks, block ``s`` called (with a key) as
@@ -192,6 +193,8 @@ def reference_value_and_grad(
     keys = None if key is None else microbatch_keys(key, num_microbatches)
     value_sum = None
     grad_sum = None
+    rows = None  # with has_aux: per aux leaf, whether it holds per-example rows
+    row_parts: list[list[Any]] = []  # their values, block by block in the batch's row order
     for i in range(num_microbatches):
         microbatch = jax.tree.map(lambda leaf, i=i: leaf[i], microbatches)
         blocks = split_microbatches(microbatch, data_parallel)
@@ -207,6 +210,17 @@ def reference_value_and_grad(
                     (jax.tree_util.keystr(path), jnp.result_type(leaf), jnp.shape(leaf))
                     for path, leaf in jax.tree_util.tree_leaves_with_path(value[1])
                 )
+                if rows is None:
+                    rows = _reference_aux_rows(
+                        loss_fn, params, batch, key, value[1], num_microbatches * data_parallel
+                    )
+                    row_parts = [[] for _ in rows]
+                leaves, treedef = jax.tree.flatten(value[1])
+                for j, leaf in enumerate(leaves):
+                    if rows[j]:  # joined at the end, not summed
+                        row_parts[j].append(leaf)
+                        leaves[j] = jnp.zeros((), jnp.result_type(leaf))
+                value = (value[0], jax.tree.unflatten(treedef, leaves))
             dtypes = jax.tree.map(jnp.result_type, (value, grads))
             # Summed in float32 where 16-bit: a float16 sum of m terms overflows where their
             # mean does not.
@@ -219,10 +233,37 @@ def reference_value_and_grad(
 
     shards = num_microbatches * data_parallel
     mean = jax.tree.map(functools.partial(mean_of, scale=1.0 / shards), value_sum, dtypes[0])
+    if has_aux and any(rows):
+        leaves, treedef = jax.tree.flatten(mean[1])
+        for j, parts in enumerate(row_parts):
+            if rows[j]:
+                leaves[j] = jnp.concatenate(parts, axis=0)
+        mean = (mean[0], jax.tree.unflatten(treedef, leaves))
     grads = jax.tree.map(
         functools.partial(mean_of, scale=grad_scale / data_parallel), grad_sum, dtypes[1]
     )
     return mean, grads
+
+
+def _reference_aux_rows(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, key: Any, part: Any, shards: int
+) -> tuple[bool, ...]:
+    """Returns ``aux_rows`` of ``loss_fn``'s aux for the whole batch against ``part``, one
+    block's; all False when ``loss_fn`` does not take the whole batch (a loss written for its
+    microbatch's shape), as the pipeline decides."""
+    extra = () if key is None else (key,)
+    try:
+        whole = jax.eval_shape(lambda p, b, *k: loss_fn(p, b, *k)[1], params, batch, *extra)
+    except Exception:  # noqa: BLE001
+        return (False,) * len(jax.tree.leaves(part))
+    return aux_rows(
+        (
+            (jax.tree_util.keystr(path), leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(whole)
+        ),
+        (jnp.shape(leaf) for leaf in jax.tree.leaves(part)),
+        shards,
+    )
 
 
 def backward_seed(num_microbatches: int) -> tuple[float, float]:
@@ -276,6 +317,37 @@ def check_aux_leaves(
                 "comes back as its mean over the microbatches, as the loss does, so return "
                 "floating values (e.g. jnp.mean(correct.astype(jnp.float32)))"
             )
+
+
+def aux_rows(
+    whole: Iterable[tuple[str, tuple[int, ...]]],
+    parts: Iterable[tuple[int, ...]],
+    shards: int,
+    where: str = "",
+) -> tuple[bool, ...]:
+    """Returns, per aux leaf, whether it holds per-example rows: its shape for the whole
+    batch (``whole``: key path and shape) has ``shards`` times the leading axis of its shape
+    for one part (``parts``: one data-parallel shard of one microbatch, ``shards`` of them in
+    all) and the same other axes. Such a leaf is returned as its parts joined along that axis,
+    in the batch's row order; a leaf of the same shape for both, as their mean. Raises
+    PipelineError naming a leaf that is neither (``where`` says what a part is)."""
+    rows = []
+    for (path, full), part in zip(whole, parts, strict=True):
+        full, part = tuple(full), tuple(part)
+        if full == part:
+            rows.append(False)
+            continue
+        if part and full == (part[0] * shards, *part[1:]):
+            rows.append(True)
+            continue
+        raise PipelineError(
+            f"aux leaf {path or '(the aux itself)'} has shape {list(full)} for the whole batch "
+            f"but {list(part)} for one microbatch{where}: neither the same (a metric, returned "
+            f"as its mean over the microbatches) nor per-example rows ({shards} times the "
+            "rows along its first axis, returned joined); reduce it over the rows inside "
+            "loss_fn (e.g. jnp.mean(x, axis=0)), or put the examples on its first axis"
+        )
+    return tuple(rows)
 
 
 def _wide(x: Any) -> Any:

@@ -75,8 +75,9 @@ from zbjax._jax_compat import (
 )
 from zbjax.errors import PartitionError, PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
+from zbjax.markers import is_stage_boundary
+from zbjax.microbatch import aux_rows, microbatch_keys, split_microbatches
 from zbjax.microbatch import check_key as _check_key
-from zbjax.microbatch import microbatch_keys, split_microbatches
 from zbjax.optim import per_leaf
 from zbjax.params import (
     StagedParams,
@@ -766,7 +767,7 @@ class Pipeline:
             return jax.tree.map(
                 lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding), shapes
             )
-        staged = stage_leaves(layout, _replicated(leaves, self.mesh))
+        staged = stage_leaves(layout, _on_one_device_set(_replicated(leaves, self.mesh)))
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
 
     def _rows_spec(self) -> PartitionSpec:
@@ -1125,9 +1126,7 @@ class Pipeline:
                 micro = self._microbatch_avals(batch)
                 # Costs are estimated for the devices the step runs on (CPU or accelerator).
                 with cost_model.costs_for(self.mesh.devices.flat[0].platform):
-                    built = self._build(params_avals, micro, key_aval)
-                if self.has_aux:
-                    self._check_aux_rows(built.graph, params_avals, batch_avals, key_aval)
+                    built = self._build(params_avals, micro, key_aval, batch_avals)
             except BaseException:
                 if first:  # params nothing was built for do not bind the pipeline to them
                     self._params_treedef = self._params_avals = None
@@ -1137,40 +1136,35 @@ class Pipeline:
             self._built[cache_key] = built
         return self._built[cache_key]
 
-    def _check_aux_rows(
+    def _aux_rows(
         self, graph: StageGraph, params_avals: Any, batch_avals: Any, key_aval: Any
-    ) -> None:
-        """Raises PipelineError naming an aux leaf whose shape follows the batch's rows.
-
-        The pipeline returns each aux leaf's mean over the microbatches (and data-parallel
-        shards), which has the shape the leaf has for one shard of a microbatch. An aux of
-        per-example values (predictions, a per-row loss) has more rows for the whole batch,
-        and no mean of the parts is what ``jax.value_and_grad`` of the unpipelined loss
-        returns, so it is refused rather than returned wrong.
+    ) -> tuple[bool, ...]:
+        """Returns, per aux leaf, whether it holds per-example rows (``microbatch.aux_rows``):
+        its shape for the whole batch against the loss stage's, which is one data-parallel
+        shard of one microbatch. The pipeline returns such a leaf joined over the microbatches
+        and shards, as ``jax.value_and_grad`` of the unpipelined loss returns it, and the
+        others as their means; a leaf that is neither is refused rather than returned wrong.
         """
 
         def whole(params, batch, key):
             out = self.loss_fn(params, batch) if key is None else self.loss_fn(params, batch, key)
             return out[1]
 
+        part_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
         try:
             whole_aux = jax.eval_shape(whole, params_avals, batch_avals, key_aval)
         except Exception:  # noqa: BLE001 (a loss_fn written for its microbatch's shape)
-            return  # it runs on microbatches only, as the pipeline calls it: nothing to compare
-        with_paths = jax.tree_util.tree_leaves_with_path(whole_aux)
-        part_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
-        for (path, full), part in zip(with_paths, part_avals, strict=True):
-            if tuple(full.shape) != tuple(part.shape):
-                shards = self.data_parallel_size
-                where = f" on each of {shards} data-parallel shards" if shards > 1 else ""
-                raise PipelineError(
-                    f"aux leaf {jax.tree_util.keystr(path) or '(the aux itself)'} has shape "
-                    f"{list(full.shape)} for the whole batch but {list(part.shape)} for one "
-                    f"microbatch{where}: it follows the batch's rows (per-example values), "
-                    "and the pipeline returns each aux leaf's mean over the microbatches, as "
-                    "it does the loss; reduce it over the rows inside loss_fn (e.g. "
-                    "jnp.mean(x, axis=0)), or compute per-example outputs outside the pipeline"
-                )
+            return (False,) * len(part_avals)  # it runs on microbatches only: all means
+        shards = self.data_parallel_size
+        return aux_rows(
+            (
+                (jax.tree_util.keystr(path), full.shape)
+                for path, full in jax.tree_util.tree_leaves_with_path(whole_aux)
+            ),
+            (part.shape for part in part_avals),
+            self.num_microbatches * shards,
+            f" on each of {shards} data-parallel shards" if shards > 1 else "",
+        )
 
     def _microbatch_avals(self, batch: Any) -> Any:
         """Returns one microbatch's avals; raises PipelineError when rows do not divide."""
@@ -1215,7 +1209,7 @@ class Pipeline:
             micro.append(jax.ShapeDtypeStruct(shape, a.dtype))
         return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
-    def _build(self, params_avals: Any, micro: Any, key_aval: Any) -> _Built:
+    def _build(self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any) -> _Built:
         tensor = None
         if self.param_specs is not None:  # checked against the params even if none is split
             axis = self.tensor_axis
@@ -1224,6 +1218,9 @@ class Pipeline:
             tensor = (axis, size, splits) if axis is not None else None
         kind, parted = self._partition(params_avals, micro, key_aval)
         graph = parted.graph
+        if self.has_aux:
+            rows = self._aux_rows(graph, params_avals, batch_avals, key_aval)
+            graph = dataclasses.replace(graph, aux_rows=rows)
         if tensor is not None:
             paths = jax.tree_util.tree_leaves_with_path(params_avals)
             paths = [jax.tree_util.keystr(p) for p, _ in paths]
@@ -1392,6 +1389,15 @@ class Pipeline:
             parted = graphpipe.graph_partition(
                 op_graph.graph, self.num_devices, self.num_microbatches
             )
+            markers = sum(map(is_stage_boundary, program.jaxpr.eqns))
+            if markers and self.placement is None and parted.num_stages < self.num_devices:
+                raise ScheduleError(
+                    f"partitioner='graph' cuts a marked loss_fn only at its markers and where "
+                    f"its branches part: its {markers} stage_boundary markers leave "
+                    f"{parted.num_stages} stages for the {self.num_devices} devices of axis "
+                    f"{self.axis_name!r}; remove the markers to let GraphPipe cut the whole "
+                    f"model, add markers, or use a pp axis of {parted.num_stages} devices"
+                )
             chosen.append(parted)
             return op_graph.equation_stages(parted)
 
@@ -1423,11 +1429,18 @@ class Pipeline:
         placement = self.placement if self.placement is not None else chosen
         if placement is None:
             if count < devices:
+                # GraphPipe cuts a marked model only at its markers: it would make no more.
+                graph_fix = (
+                    "remove the markers and use partitioner='graph' (which cuts at the "
+                    "markers alone where there are any)"
+                    if kind == "markers"
+                    else "use partitioner='graph'"
+                )
                 raise ScheduleError(
                     f"{self.schedule_name}: the {kind} partition has {count} stages, fewer "
                     f"than the {devices} devices of axis {self.axis_name!r}, and every device "
                     f"needs a stage; use a pp axis of {count} devices, cut the model into "
-                    f"{devices} stages (more markers), or use partitioner='graph'"
+                    f"{devices} stages (more markers), or {graph_fix}"
                 )
             if count > devices:
                 raise ScheduleError(
@@ -1661,6 +1674,18 @@ def _widened(staged: str, now: Any) -> bool:
     if dtype_name(now) == dtype_name(wide_dtype(staged)):
         return True
     return not jnp.issubdtype(staged, jnp.inexact) and jnp.issubdtype(now, jnp.floating)
+
+
+def _on_one_device_set(leaves: list) -> list:
+    """Returns ``leaves``, or where concrete arrays among them are committed to different
+    devices (a checkpoint restored leaf by leaf onto the devices of its stages), all of them
+    on the first one's, which JAX needs to join them into rows (nothing else is moved)."""
+    arrays = [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+    if len({frozenset(x.devices()) for x in arrays if x.committed}) <= 1:
+        return leaves
+    target = min(arrays[0].devices(), key=lambda d: d.id)
+    moved = {id(x) for x in arrays}
+    return [jax.device_put(x, target) if id(x) in moved else x for x in leaves]
 
 
 def _replicated(tree: Any, mesh: Any, own: bool = True) -> Any:

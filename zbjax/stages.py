@@ -159,6 +159,9 @@ class StageGraph:
     param_avals: tuple[jax.ShapeDtypeStruct, ...]
     batch_avals: tuple[jax.ShapeDtypeStruct, ...]
     aux_treedef: Any = None
+    #: Per aux leaf, whether it holds per-example rows (``microbatch.aux_rows``): the pipeline
+    #: returns those joined over the microbatches, the others as their means. Empty: all means.
+    aux_rows: tuple[bool, ...] = ()
     #: The cost-balanced cut that made the stages (``partition``'s ``cut``): the number of
     #: pieces of activation work and the first piece of each stage; None for markers.
     cut: tuple[int, tuple[int, ...]] | None = field(default=None, compare=False)
@@ -167,9 +170,16 @@ class StageGraph:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def output_rows(self) -> tuple[bool, ...]:
+        """Returns, per output of the loss stage (``[loss, *aux_leaves]``), whether it holds
+        per-example rows (``aux_rows``), which are joined over microbatches, not averaged."""
+        count = len(self.stages[self.loss_stage].jaxpr.out_avals)
+        rows = tuple(self.aux_rows) or (False,) * (count - 1)
+        return (False, *rows)
+
     def loss_and_aux(self, totals: Sequence[Any]) -> Any:
         """Returns the loss, or (loss, aux) with ``aux_treedef``, from the loss stage's outputs
-        ``[loss, *aux_leaves]`` (or their means over microbatches)."""
+        ``[loss, *aux_leaves]`` (or their means over microbatches, rows joined)."""
         if self.aux_treedef is None:
             return totals[0]
         return totals[0], jax.tree_util.tree_unflatten(self.aux_treedef, list(totals[1:]))
