@@ -493,6 +493,10 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     assert f"makespan {planned.makespan:.4g}" in report
     with pytest.raises(zbjax.PipelineError, match="user layout"):
         pipe.measure_costs(pipe.stage(params), batch)
+    # Inside a jit the inputs are tracers: raw JAX errors before (helper HD).
+    for method in ("measure_costs", "profile"):
+        with pytest.raises(zbjax.PipelineError, match=f"pipe.{method} runs and times"):
+            jax.jit(lambda p, b, m=method: getattr(pipe, m)(p, b))(params, batch)
 
 
 def _dots_in_loop_body(hlo: str) -> int:
@@ -1915,3 +1919,16 @@ def test_a_complex_value_crossing_stages_warns_nothing():
         warnings.simplefilter("error", DeprecationWarning)
         got = pipe.value_and_grad(params, batch)
     assert_close(got, jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_partitioner_used_names_the_cut_when_num_stages_is_given():
+    """With num_stages= and the default partitioner it said "auto" (helper HD)."""
+    params, batch = two_layer_case(0)
+
+    def unmarked(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    for loss_fn, used in ((scalar_free_loss, "markers"), (unmarked, "chain")):
+        pipe = zbjax.pipeline(loss_fn, mesh=pp_mesh(2), num_microbatches=2, num_stages=2)
+        pipe.lower(params, batch)
+        assert pipe.partitioner_used == used

@@ -219,7 +219,12 @@ def test_text_grid_leaves_out_actions_that_take_no_time():
         if action.kind != "W":
             assert cells[int(start)] == f"{action.kind}{action.microbatch}"
     assert "W" not in lines[1] + lines[2]
-    assert lines[-1] == "(W actions take no time and are not drawn)"
+    assert lines[-1] == "(W of stages 0, 1: no time, not drawn)"
+    # Only the stages whose actions take no time are named: the report said "B actions take
+    # no time" when only stage 0's B did and the others' were drawn (helper HD).
+    lines = text_grid(schedule, simulate(schedule, Costs(f=1, b=(0, 1), w=1))).splitlines()
+    assert lines[-1] == "(B of stage 0: no time, not drawn)"
+    assert "B0" in lines[2]
 
 
 @pytest.mark.parametrize(

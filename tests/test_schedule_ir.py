@@ -183,6 +183,22 @@ def test_fused_backward_costs_b_plus_w_unless_measured():
         Costs(bw=-1.0).fused_per_stage(1)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-auto"])
+def test_build_checks_the_fused_backwards_cost_too(name):
+    """build and zb-auto checked f, b and w but took a NaN, negative or wrongly sized bw,
+    which only simulate refused (helper HD); backward_kinds took a name (an AttributeError)."""
+    for bw, message in (
+        (math.nan, "costs.bw = nan"),
+        (-1.0, "costs.bw = -1.0 is negative"),
+        ((1, 1, -5, 1), "costs.bw = -5"),
+        ((1, 1), "costs.bw has 2 entries but there are 4 stages"),
+    ):
+        with pytest.raises(ScheduleError, match=re.escape(message)):
+            build(name, 4, 4, costs=Costs(bw=bw))
+    with pytest.raises(ScheduleError, match="backward_kinds takes a Schedule, not str"):
+        zbjax.schedules.backward_kinds("zb-h1")
+
+
 def test_costs_reject_wrong_lengths_negative_and_nan():
     with pytest.raises(ScheduleError, match="costs.f has 3 entries but there are 2 stages"):
         Costs(f=[1, 1, 1]).per_stage(2)

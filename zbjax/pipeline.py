@@ -487,6 +487,7 @@ class Pipeline:
                 )
             make_output_dir("trace_dir", trace_dir)
         _refuse_shapes("profile", params=params, batch=batch, key=key)
+        _refuse_traced("profile", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
         built = self._get(params, batch, key)
         held = [_new_buffers(built)]
@@ -712,6 +713,7 @@ class Pipeline:
         """
         comm = _flag("comm", comm, allow_none=True)
         _refuse_shapes("measure_costs", params=params, batch=batch, key=key)
+        _refuse_traced("measure_costs", params=params, batch=batch, key=key)
         repeats = _whole_number("repeats", repeats)
         if isinstance(params, StagedParams):
             raise PipelineError(
@@ -913,8 +915,8 @@ class Pipeline:
     def partitioner_used(self) -> str:
         """Returns the partitioner that made the latest build's stages.
 
-        One of "markers", "chain", "graph"; or "auto" when ``num_stages`` was given with the
-        default partitioner (then markers cut when there are any, else a chain of that many).
+        One of "markers", "chain", "graph" (with ``num_stages`` and the default partitioner,
+        "markers" where the markers made that many stages, else "chain").
         """
         return self._require_built("pipe.partitioner_used").partitioner
 
@@ -1265,7 +1267,7 @@ class Pipeline:
             # A fixed count: markers must make exactly that many stages, else a chain cut
             # (another batch shape keeping the first's, as below).
             graph = self._kept_cut(params_avals, micro, self.num_stages, key_aval)
-            return kind, _Partitioned(graph)
+            return ("markers" if graph.cut is None else "chain"), _Partitioned(graph)
         if kind in ("auto", "markers", "chain"):
             # One trace tells whether there are markers (num_stages=None never cuts by cost).
             marked = self._cut(params_avals, micro, key=key_aval)
@@ -1707,6 +1709,17 @@ def _replicated(tree: Any, mesh: Any, own: bool = True) -> Any:
         return jax.reshard(x, NamedSharding(concrete, PartitionSpec()))
 
     return jax.tree.map(replicate, tree)
+
+
+def _refuse_traced(method: str, **trees: Any) -> None:
+    """Raises PipelineError when an input is traced (``pipe.{method}`` called inside
+    ``jax.jit`` or another transform): the method runs and times the step itself."""
+    if _traced(trees):
+        raise PipelineError(
+            f"pipe.{method} runs and times the compiled step itself, so it needs concrete "
+            "arrays, and got traced ones (it was called inside jax.jit or another "
+            "transform); call it outside, on the values"
+        )
 
 
 def _refuse_shapes(method: str, **trees: Any) -> None:

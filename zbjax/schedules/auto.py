@@ -733,6 +733,7 @@ def zb_auto(
     _check_request(num_stages, num_microbatches, num_devices, mem_limit, w_mem, time_limit)
     costs = costs or Costs()
     f, b, w = costs.per_stage(num_stages)
+    costs.fused_per_stage(num_stages)  # raises on a bw of the wrong length or sign
     edges, predecessors, successors = _stage_graph(num_stages, edges)
     problem = _Problem(
         num_stages,

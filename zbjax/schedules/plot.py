@@ -193,11 +193,18 @@ def text_grid(schedule: Schedule, result: SimResult | Costs | None = None, width
         blocks.append("\n".join(lines))
     header = f"(one column = {_fmt_time(unit)} time units)" if unit != 1.0 else ""
     text = "\n\n".join(blocks)
-    instant = sorted(
-        {a.kind for _, _, a in schedule.all_actions() if result.end[a] <= result.start[a]}
-    )
+    # Which actions take no time, by kind and stage (a first stage's B, say, not every B).
+    instant: dict[str, set[int]] = {}
+    for _, _, a in schedule.all_actions():
+        if result.end[a] <= result.start[a]:
+            instant.setdefault(a.kind, set()).add(a.stage)
     if instant:
-        text += f"\n({', '.join(instant)} actions take no time and are not drawn)"
+        named = [
+            f"{kind} of stage{'s' if len(stages) > 1 else ''} "
+            + ", ".join(str(s) for s in sorted(stages))
+            for kind, stages in sorted(instant.items())
+        ]
+        text += f"\n({'; '.join(named)}: no time, not drawn)"
     return f"{header}\n{text}" if header else text
 
 

@@ -185,6 +185,7 @@ def build(
     costs, mem_limit, w_mem = check_options(costs, mem_limit, w_mem)
     if costs is not None:
         costs.per_stage(num_stages)  # raises on wrong lengths and negative costs
+        costs.fused_per_stage(num_stages)  # and so does the fused backward's, bw
     if name in DAG_SCHEDULE_NAMES:
         schedule = _dag(
             name, num_stages, num_microbatches, num_devices, costs, mem_limit, w_mem, options

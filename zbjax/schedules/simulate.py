@@ -12,6 +12,7 @@ from zbjax.schedules.ir import Action, Costs, Schedule, SimResult, check_schedul
 
 def backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
     """Returns, per (stage, microbatch), whether the schedule runs its backward as B or BW."""
+    check_schedule(schedule, "backward_kinds")
     return {
         (a.stage, a.microbatch): a.kind
         for _, _, a in schedule.all_actions()
