@@ -333,8 +333,8 @@ def test_bad_partitioner_options_raise_errors_that_name_the_fix(diamond):
     )
     with pytest.raises(
         ScheduleError,
-        match=r"cuts a marked loss_fn only at its markers .* its 3 stage_boundary markers "
-        r"leave 5 stages for the 8 devices",
+        match=r"cuts a marked loss_fn only at its markers .* of the pieces its 3 "
+        r"stage_boundary markers make, GraphPipe formed 5 stages for the 8 devices",
     ):
         graph.lower(params, batch)
 

@@ -113,8 +113,13 @@ def test_op_graph_and_arguments_are_checked():
             partition_from_stages(chain, stages, 4)
     with pytest.raises(PartitionError, match="num_microbatches = 0"):
         partition_from_stages(chain, [[0, 1], [2]], 0)
-    with pytest.raises(PartitionError, match=r"extra edge \(0, 5\) names a stage outside 0..1"):
-        partition_from_stages(chain, [[0, 1], [2]], 4, extra_edges=[(0, 5)])
+    for edges in ([(0, 5)], [(0, 1, 2)], [0, 1]):
+        with pytest.raises(PartitionError, match=r"extra edge .* is not a pair of stages in 0..1"):
+            partition_from_stages(chain, [[0, 1], [2]], 4, extra_edges=edges)
+    with pytest.raises(PartitionError, match=r"stages\[0\] = 0 is not a list of nodes"):
+        partition_from_stages(chain, [0, 0, 1], 4)  # a stage per node: stage_of_node's form
+    with pytest.raises(PartitionError, match="node 'n0' is twice in stage"):
+        partition_from_stages(chain, [[0, 0], [1, 2]], 4)
     for limit in (float("nan"), 0, "1e9"):
         with pytest.raises(PartitionError, match=f"mem_limit = {limit!r}; give the bytes"):
             graph_partition(chain, 2, 4, mem_limit=limit)

@@ -130,6 +130,12 @@ def test_aux_errors_name_the_problem_and_the_fix():
         zbjax.pipeline(counts, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
+    # Integer predictions: the message said every aux leaf is averaged (helper HC).
+    argmax = lambda p, b: (loss_fn(p, b)[0], {"k": b["tokens"][:, 0]})  # noqa: E731
+    with pytest.raises(PartitionError, match=r"or joined where it holds per-example rows"):
+        zbjax.pipeline(argmax, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+            params, batch
+        )
 
     # A leaf whose shape changes with the batch other than by its rows along the first axis
     # (per-example values come back joined): neither a mean nor the parts joined gives it.
@@ -162,6 +168,8 @@ def _per_example_case():
             "predictions": h,  # [16, 8]
             "first_two": h[:, :2].reshape(-1),  # [32]: two values a row, flattened
             "mean": jnp.mean(h),  # a metric: the mean over microbatches
+            # [16, 0]: a head with no outputs (a ZeroDivisionError joining it, helper HC)
+            "none": h[:, :0],
         }
         return jnp.mean(per_example), aux
 
@@ -186,8 +194,8 @@ def test_per_example_aux_comes_back_joined_as_value_and_grad_returns_it(schedule
     assert_matches((pipe.value(params, batch), want[1]), want)
     reference = reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True, data_parallel=dp)
     assert_matches(reference, want)
-    # Aux leaves in key order: first_two, mean, per_example, predictions.
-    assert pipe.graph.aux_rows == (True, False, True, True)
+    # Aux leaves in key order: first_two, mean, none, per_example, predictions.
+    assert pipe.graph.aux_rows == (True, False, True, True, True)
     if dp == 1:
         executed = run_schedule(pipe.graph, pipe.programs, pipe.schedule, params, batch)
         assert_matches(executed, want)

@@ -477,8 +477,9 @@ def _add_demo_parser(subparsers: Any) -> None:
             "(weight decay on matrices, run per leaf by pipe.per_leaf). "
             "Prints the pipeline report and the progress (in a log, a line per step, or every "
             "steps // 50 steps from 100 steps on), writes the schedule's Gantt chart and "
-            "Perfetto trace, and checks the first step's loss and gradients "
-            "and the final loss against the unpipelined model. Exits 1 when a check fails."
+            "Perfetto trace, and checks the first step's loss and gradients, the final "
+            "loss, and the loss on held-out text (pipe.value) against the unpipelined "
+            "model. Exits 1 when a check fails."
         ),
     )
     parser.add_argument(

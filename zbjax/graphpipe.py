@@ -524,6 +524,11 @@ def partition_from_stages(
     n = len(graph.nodes)
     stage_of = [-1] * n
     for s, nodes in enumerate(stages):
+        if integer(nodes) is not None or isinstance(nodes, str | bytes):
+            raise PartitionError(
+                f"stages[{s}] = {nodes!r} is not a list of nodes; give the nodes of each stage, "
+                "e.g. [[0, 1], [2]] (not a stage per node, as GraphPartition.stage_of_node)"
+            )
         if not len(nodes):
             raise PartitionError(f"stage {s} holds no node; give every stage at least one")
         for v in nodes:
@@ -533,17 +538,22 @@ def partition_from_stages(
                     f"stage {s} names node {v!r}; nodes are numbered 0..{n - 1} (OpGraph.nodes)"
                 )
             if stage_of[index] >= 0:
-                raise PartitionError(f"node {graph.nodes[index].name!r} is in two stages")
+                where = "twice in stage" if stage_of[index] == s else "in two stages"
+                raise PartitionError(f"node {graph.nodes[index].name!r} is {where}")
             stage_of[index] = s
     if min(stage_of) < 0:
         missing = [graph.nodes[v].name for v in range(n) if stage_of[v] < 0]
         raise PartitionError(f"nodes {missing} are in no stage; every node needs one")
     raw = {(stage_of[a], stage_of[b]) for a, b in graph.edges if stage_of[a] != stage_of[b]}
-    for a, b in extra_edges:
-        if not all(integer(x) is not None and 0 <= x < len(stages) for x in (a, b)):
+    for edge in extra_edges:
+        try:
+            pair = () if isinstance(edge, str | bytes) else tuple(edge)
+        except TypeError:  # an int, say
+            pair = ()
+        if len(pair) != 2 or not all(integer(x) is not None and 0 <= x < len(stages) for x in pair):
             raise PartitionError(
-                f"extra edge {(a, b)!r} names a stage outside 0..{len(stages) - 1}; give pairs "
-                "of the given stages' indices"
+                f"extra edge {edge!r} is not a pair of stages in 0..{len(stages) - 1}; give "
+                "(src, dst) pairs of the given stages' indices"
             )
     raw |= {(int(a), int(b)) for a, b in extra_edges}
     order = topological_order(len(stages), sorted(raw))

@@ -1479,7 +1479,7 @@ def _run(
     totals, grad_rows, out_pools = run(*args)
     # Per-example rows, [m, rows of a microbatch, ...]: the batch's rows in order.
     totals = [
-        jnp.reshape(t, (-1, *t.shape[2:])) if rows else t
+        jnp.reshape(t, (t.shape[0] * t.shape[1], *t.shape[2:])) if rows else t
         for t, rows in zip(totals, output_rows, strict=True)
     ]
     loss = low.graph.loss_and_aux(totals)

@@ -314,8 +314,10 @@ def check_aux_leaves(
         if not jnp.issubdtype(dtype, jnp.floating):
             raise error(
                 f"aux leaf {path or '(the aux itself)'} is {dtype}{list(shape)}; each aux leaf "
-                "comes back as its mean over the microbatches, as the loss does, so return "
-                "floating values (e.g. jnp.mean(correct.astype(jnp.float32)))"
+                "comes back as its mean over the microbatches, as the loss does, or joined "
+                "where it holds per-example rows, and either way in a floating dtype: return "
+                "floating values (e.g. jnp.mean(correct.astype(jnp.float32)), or "
+                "predictions.astype(jnp.float32))"
             )
 
 

@@ -383,10 +383,10 @@ class Pipeline:
         ``(loss, aux)`` with ``has_aux``) running only the forwards: for evaluation.
 
         It runs the training step's pipeline (stages, placement, exchanges) through the
-        forwards of its schedule alone: each device runs its F actions in the schedule's
-        order, stores no residuals and runs no backward tick. It takes ``params`` in either
-        layout, as ``value_and_grad`` does, and its loss is the same computation's. Compiled
-        once per set of input shapes, beside the training step.
+        forwards of its schedule alone (``Schedule.forwards``: each device runs its F actions
+        as soon as their inputs arrive), storing no residuals and running no backward tick.
+        It takes ``params`` in either layout, as ``value_and_grad`` does, and its loss is the
+        same computation's. Compiled once per set of input shapes, beside the training step.
         """
         _refuse_shapes("value", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
@@ -404,7 +404,7 @@ class Pipeline:
 
     def _forward_step(self, built: _Built, with_key: bool) -> tuple[Lowering, Callable[..., Any]]:
         """Returns the lowering and the jitted step of ``built``'s forward pass: the forwards
-        of its schedule (``Schedule.forwards``, each device's F in the training order) over stage
+        of its schedule (``Schedule.forwards``, each device's F as their inputs arrive) over stage
         programs that compute their outputs alone (``split.forwards_only``), so no residual
         is stored and no backward tick runs."""
         low = built.lowering
@@ -1395,10 +1395,12 @@ class Pipeline:
             if markers and self.placement is None and parted.num_stages < self.num_devices:
                 raise ScheduleError(
                     f"partitioner='graph' cuts a marked loss_fn only at its markers and where "
-                    f"its branches part: its {markers} stage_boundary markers leave "
-                    f"{parted.num_stages} stages for the {self.num_devices} devices of axis "
-                    f"{self.axis_name!r}; remove the markers to let GraphPipe cut the whole "
-                    f"model, add markers, or use a pp axis of {parted.num_stages} devices"
+                    f"its branches part: of the pieces its {markers} stage_boundary markers "
+                    f"make, GraphPipe formed {parted.num_stages} stages for the "
+                    f"{self.num_devices} devices of axis {self.axis_name!r}; remove the "
+                    "markers to let GraphPipe cut the whole model, add markers, or use the "
+                    "markers partitioner (partitioner='markers', or the default) with a smaller "
+                    "pp axis"
                 )
             chosen.append(parted)
             return op_graph.equation_stages(parted)
@@ -1433,8 +1435,8 @@ class Pipeline:
             if count < devices:
                 # GraphPipe cuts a marked model only at its markers: it would make no more.
                 graph_fix = (
-                    "remove the markers and use partitioner='graph' (which cuts at the "
-                    "markers alone where there are any)"
+                    "remove the markers and use partitioner='graph' (GraphPipe cuts a marked "
+                    "model only at its markers)"
                     if kind == "markers"
                     else "use partitioner='graph'"
                 )
@@ -1895,8 +1897,10 @@ def pipeline(
 
     ``has_aux``: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floating arrays (metrics,
     say); ``value_and_grad`` then returns ``((loss, aux), grads)``, each aux leaf the mean of
-    its per-microbatch values, as the loss is. Aux is computed where ``loss_fn`` computes it
-    and carried to the last stage.
+    its per-microbatch values, as the loss is, or, where its first axis follows the batch's
+    rows (the shape alone decides: predictions, a per-row loss), the microbatches' values
+    joined in row order, as ``reference_value_and_grad`` computes them. Aux is computed where
+    ``loss_fn`` computes it and carried to the last stage.
 
     ``param_specs``: tensor parallelism inside each stage. A ``PartitionSpec`` per param leaf
     (a pytree matching the params, or a prefix of it; None for a replicated leaf) naming one
@@ -1925,8 +1929,9 @@ def pipeline(
     - ``"graph"``: GraphPipe (``zbjax.graphpipe``) on the traced program: an operator graph
       (``op_graph_from_jaxpr``), cut by ``graph_partition`` into a stage DAG with at most one
       stage per pp device (parallel branches become parallel stages) minimising the predicted
-      step time; the stages run where its placement says. Ignores markers; the stage count is
-      its choice, so ``num_stages`` must be None.
+      step time; the stages run where its placement says. With markers it cuts only at
+      them (and where branches part); the stage count is its choice, so ``num_stages`` must
+      be None.
 
     ``placement`` (DAG schedules by name only) gives the device of each stage, e.g. to run a
     marker graph with more stages than devices; without it, the stage count must equal the pp
