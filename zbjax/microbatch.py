@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -211,8 +211,13 @@ def reference_value_and_grad(
                     for path, leaf in jax.tree_util.tree_leaves_with_path(value[1])
                 )
                 if rows is None:
-                    rows = _reference_aux_rows(
-                        loss_fn, params, batch, key, value[1], num_microbatches * data_parallel
+                    rows = whole_batch_aux_rows(
+                        loss_fn,
+                        params,
+                        batch,
+                        key,
+                        [jnp.shape(leaf) for leaf in jax.tree.leaves(value[1])],
+                        num_microbatches * data_parallel,
                     )
                     row_parts = [[] for _ in rows]
                 leaves, treedef = jax.tree.flatten(value[1])
@@ -245,24 +250,32 @@ def reference_value_and_grad(
     return mean, grads
 
 
-def _reference_aux_rows(
-    loss_fn: Callable[..., Any], params: Any, batch: Any, key: Any, part: Any, shards: int
+def whole_batch_aux_rows(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    key: Any,
+    parts: Sequence[tuple[int, ...]],
+    shards: int,
+    where: str = "",
 ) -> tuple[bool, ...]:
-    """Returns ``aux_rows`` of ``loss_fn``'s aux for the whole batch against ``part``, one
-    block's; all False when ``loss_fn`` does not take the whole batch (a loss written for its
-    microbatch's shape), as the pipeline decides."""
+    """Returns ``aux_rows`` of ``loss_fn``'s aux for the whole ``batch`` (values or avals,
+    traced with ``jax.eval_shape``) against ``parts``, each leaf's shape for one of ``shards``
+    parts; all False when ``loss_fn`` does not take the whole batch (a loss written for its
+    microbatch's shape, which runs on microbatches only: its aux leaves are means)."""
     extra = () if key is None else (key,)
     try:
         whole = jax.eval_shape(lambda p, b, *k: loss_fn(p, b, *k)[1], params, batch, *extra)
     except Exception:  # noqa: BLE001
-        return (False,) * len(jax.tree.leaves(part))
+        return (False,) * len(parts)
     return aux_rows(
         (
             (jax.tree_util.keystr(path), leaf.shape)
             for path, leaf in jax.tree_util.tree_leaves_with_path(whole)
         ),
-        (jnp.shape(leaf) for leaf in jax.tree.leaves(part)),
+        parts,
         shards,
+        where,
     )
 
 

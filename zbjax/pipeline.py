@@ -76,8 +76,8 @@ from zbjax._jax_compat import (
 from zbjax.errors import PartitionError, PipelineError, ScheduleError
 from zbjax.lower import Lowering, lower
 from zbjax.markers import is_stage_boundary
-from zbjax.microbatch import aux_rows, microbatch_keys, split_microbatches
 from zbjax.microbatch import check_key as _check_key
+from zbjax.microbatch import microbatch_keys, split_microbatches, whole_batch_aux_rows
 from zbjax.optim import per_leaf
 from zbjax.params import (
     StagedParams,
@@ -1148,22 +1148,14 @@ class Pipeline:
         others as their means; a leaf that is neither is refused rather than returned wrong.
         """
 
-        def whole(params, batch, key):
-            out = self.loss_fn(params, batch) if key is None else self.loss_fn(params, batch, key)
-            return out[1]
-
-        part_avals = graph.stages[graph.loss_stage].jaxpr.out_avals[1:]
-        try:
-            whole_aux = jax.eval_shape(whole, params_avals, batch_avals, key_aval)
-        except Exception:  # noqa: BLE001 (a loss_fn written for its microbatch's shape)
-            return (False,) * len(part_avals)  # it runs on microbatches only: all means
+        parts = [a.shape for a in graph.stages[graph.loss_stage].jaxpr.out_avals[1:]]
         shards = self.data_parallel_size
-        return aux_rows(
-            (
-                (jax.tree_util.keystr(path), full.shape)
-                for path, full in jax.tree_util.tree_leaves_with_path(whole_aux)
-            ),
-            (part.shape for part in part_avals),
+        return whole_batch_aux_rows(
+            self.loss_fn,
+            params_avals,
+            batch_avals,
+            key_aval,
+            parts,
             self.num_microbatches * shards,
             f" on each of {shards} data-parallel shards" if shards > 1 else "",
         )
