@@ -130,10 +130,10 @@ def test_aux_errors_name_the_problem_and_the_fix():
         zbjax.pipeline(counts, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
-    # Integer predictions: the message said every aux leaf is averaged (helper HC).
-    argmax = lambda p, b: (loss_fn(p, b)[0], {"k": b["tokens"][:, 0]})  # noqa: E731
+    # The message said every aux leaf is averaged; per-example rows are joined, and may be
+    # integers (helper HC).
     with pytest.raises(PartitionError, match=r"or joined where it holds per-example rows"):
-        zbjax.pipeline(argmax, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
+        zbjax.pipeline(counts, mesh=mesh, num_microbatches=2, has_aux=True).value_and_grad(
             params, batch
         )
 
@@ -170,6 +170,9 @@ def _per_example_case():
             "mean": jnp.mean(h),  # a metric: the mean over microbatches
             # [16, 0]: a head with no outputs (a ZeroDivisionError joining it, helper HC)
             "none": h[:, :0],
+            # Integer and bool rows are joined too (refused as not floating before).
+            "argmax": jnp.argmax(h, axis=-1),
+            "positive": h[:, 0] > 0,
         }
         return jnp.mean(per_example), aux
 
@@ -194,8 +197,11 @@ def test_per_example_aux_comes_back_joined_as_value_and_grad_returns_it(schedule
     assert_matches((pipe.value(params, batch), want[1]), want)
     reference = reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True, data_parallel=dp)
     assert_matches(reference, want)
-    # Aux leaves in key order: first_two, mean, none, per_example, predictions.
-    assert pipe.graph.aux_rows == (True, False, True, True, True)
+    # Aux leaves in key order: argmax, first_two, mean, none, per_example, positive,
+    # predictions.
+    assert pipe.graph.aux_rows == (True, True, False, True, True, True, True)
+    aux = pipe.value_and_grad(params, batch)[0][1]
+    assert aux["argmax"].dtype == jnp.int32 and aux["positive"].dtype == jnp.bool_
     if dp == 1:
         executed = run_schedule(pipe.graph, pipe.programs, pipe.schedule, params, batch)
         assert_matches(executed, want)

@@ -881,6 +881,15 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _psum_rows(rows: jax.Array, axis: str) -> jax.Array:
+    """Returns per-example aux ``rows``, held by the loss stage's device (zeros elsewhere), on
+    every device of ``axis``: their ``psum`` (of bools as integers; 16-bit floats in float32,
+    ``reduce_wide``)."""
+    if rows.dtype == jnp.bool_:
+        return jax.lax.psum(rows.astype(jnp.int32), axis).astype(jnp.bool_)
+    return reduce_wide(jax.lax.psum, rows, axis)
+
+
 def _finish_before_sending(
     state: _TickState, code: jax.Array, tensor_axis: str | None = None
 ) -> _TickState:
@@ -1414,7 +1423,7 @@ def _run(
         # The loss and its aux, summed on the loss stage's device: their means, on every device
         # (per-example rows: each microbatch's, zeros elsewhere, summed to every device).
         loss = [
-            reduce_wide(jax.lax.psum, t, axis) / (1 if rows else num_micro)
+            _psum_rows(t, axis) if rows else reduce_wide(jax.lax.psum, t, axis) / num_micro
             for t, rows in zip(loss_sum, output_rows, strict=True)
         ]
         if data_axes:

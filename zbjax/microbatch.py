@@ -206,10 +206,6 @@ def reference_value_and_grad(
                 extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
             value, grads = value_and_grad(params, block, *extra)
             if has_aux:
-                check_aux_leaves(
-                    (jax.tree_util.keystr(path), jnp.result_type(leaf), jnp.shape(leaf))
-                    for path, leaf in jax.tree_util.tree_leaves_with_path(value[1])
-                )
                 if rows is None:
                     rows = whole_batch_aux_rows(
                         loss_fn,
@@ -220,6 +216,14 @@ def reference_value_and_grad(
                         num_microbatches * data_parallel,
                     )
                     row_parts = [[] for _ in rows]
+                # Averaged leaves must be floating; joined rows may be integers or bools.
+                check_aux_leaves(
+                    (jax.tree_util.keystr(path), jnp.result_type(leaf), jnp.shape(leaf))
+                    for (path, leaf), joined in zip(
+                        jax.tree_util.tree_leaves_with_path(value[1]), rows, strict=True
+                    )
+                    if not joined
+                )
                 leaves, treedef = jax.tree.flatten(value[1])
                 for j, leaf in enumerate(leaves):
                     if rows[j]:  # joined at the end, not summed
@@ -321,16 +325,17 @@ def check_aux_leaves(
     leaves: Iterable[tuple[str, Any, tuple[int, ...]]], error: type[Exception] = PipelineError
 ) -> None:
     """Raises ``error`` naming the first aux leaf, given as (key path, dtype, shape), that is
-    not floating: each aux leaf comes back as its mean over the microbatches, which is not
-    one of an integer or bool dtype (a count's mean truncated to 0, a flag's to an OR)."""
+    not floating: the leaves given come back as their means over the microbatches, which are
+    not of an integer or bool dtype (a count's mean truncated to 0, a flag's to an OR). (Leaves
+    of per-example rows, joined instead, are not given.)"""
     for path, dtype, shape in leaves:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise error(
-                f"aux leaf {path or '(the aux itself)'} is {dtype}{list(shape)}; each aux leaf "
+                f"aux leaf {path or '(the aux itself)'} is {dtype}{list(shape)}; an aux leaf "
                 "comes back as its mean over the microbatches, as the loss does, or joined "
-                "where it holds per-example rows, and either way in a floating dtype: return "
-                "floating values (e.g. jnp.mean(correct.astype(jnp.float32)), or "
-                "predictions.astype(jnp.float32))"
+                "where it holds per-example rows (its first axis the batch's rows: any dtype), "
+                "and a mean must be floating: return floating values (e.g. "
+                "jnp.mean(correct.astype(jnp.float32)))"
             )
 
 

@@ -120,6 +120,7 @@ def partition(
     has_aux: bool = False,
     tensor_axis: str | None = None,
     cut: tuple[int, tuple[int, ...]] | None = None,
+    aux_rows: Sequence[bool] | None = None,
 ) -> StageGraph:
     """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
 
@@ -132,13 +133,17 @@ def partition(
     ``zbjax.microbatch.microbatch_keys``). With ``assign``, the callable picks every
     equation's stage (module docstring) and ``num_stages``, when given, must match its count.
     With ``has_aux``, ``loss_fn`` returns ``(loss, aux)`` as for ``jax.value_and_grad(...,
-    has_aux=True)``; the aux leaves (floating arrays) are outputs of the loss stage, carried
-    to it from the stages that compute them, and ``graph.aux_treedef`` rebuilds the pytree.
+    has_aux=True)``; the aux leaves (arrays; floating but for ``aux_rows``) are outputs of
+    the loss stage, carried to it from the stages that compute them, and ``graph.aux_treedef``
+    rebuilds the pytree.
     ``tensor_axis`` (the pipeline's ``param_specs`` axis) is a mesh axis over which sharding
     annotations in ``loss_fn`` draw no warning: the pipeline splits the stages over it.
     ``cut`` (a graph's ``cut``, from another batch shape) makes a cost-balanced cut start its
     stages at the same pieces of work when the program has as many as then, so another batch
     shape keeps the stages (and the staged params layout); the graph records its ``cut``.
+    ``aux_rows`` (per aux leaf, ``microbatch.aux_rows``) marks the aux leaves of per-example
+    rows, which are joined over microbatches, not averaged, and so may be integers or bools
+    (``StageGraph.aux_rows``); the others must be floating.
     """
     if not callable(loss_fn):
         raise PartitionError(
@@ -160,8 +165,9 @@ def partition(
     program = _traced(
         loss_fn, params_treedef, batch_treedef, param_avals, batch_avals, key, has_aux, tensor_axis
     )
+    rows = _checked_aux_rows(program, aux_rows) if has_aux else ()
     with no_mesh_context():  # the stage programs must not record the caller's mesh
-        return _partition(
+        graph = _partition(
             program,
             num_stages,
             assign,
@@ -171,6 +177,34 @@ def partition(
             batch_avals,
             cut,
         )
+    return dataclasses.replace(graph, aux_rows=rows) if rows else graph
+
+
+def _checked_aux_rows(program: _Program, aux_rows: Sequence[bool] | None) -> tuple[bool, ...]:
+    """Returns ``aux_rows`` (default: none) for the program's aux leaves; raises PartitionError
+    naming an aux leaf that is averaged (not rows) and not floating."""
+    avals = [v.aval for v in program.jaxpr.outvars[1:]]
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(
+            jax.tree_util.tree_unflatten(program.aux_treedef, avals)
+        )
+    ]
+    rows = (False,) * len(avals) if aux_rows is None else tuple(bool(r) for r in aux_rows)
+    if len(rows) != len(avals):
+        raise PartitionError(
+            f"aux_rows has {len(rows)} entries but loss_fn's aux has {len(avals)} leaves; give "
+            "one per aux leaf"
+        )
+    check_aux_leaves(
+        (
+            (path, a.dtype, a.shape)
+            for path, a, joined in zip(paths, avals, rows, strict=True)
+            if not joined
+        ),
+        PartitionError,
+    )
+    return rows
 
 
 def _partition(
@@ -420,11 +454,6 @@ def _trace(
             f"loss_fn must return one floating-point scalar; got {got}; return the loss alone "
             "as a float scalar (e.g. the mean loss over the batch), or return (loss, aux) "
             "with metrics in aux and pass has_aux=True"
-        )
-    if has_aux:
-        check_aux_leaves(
-            ((path, a.dtype, a.shape) for path, a in zip(aux[0][1], out_avals[1:], strict=True)),
-            PartitionError,
         )
     refuse_ordered_effects(closed.jaxpr, "loss_fn")
     with no_mesh_context():

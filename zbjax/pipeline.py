@@ -322,6 +322,7 @@ class Pipeline:
         self._pools: dict[int, Buffers] = {}  # id(_Built) -> arenas kept between calls
         # id(_Built) -> (it, its forward-only step for pipe.value)
         self._forward_steps: dict[int, tuple[_Built, Lowering, Callable[..., Any]]] = {}
+        self._cut_aux_rows: tuple[bool, ...] | None = None  # the build's (``_aux_rows``)
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -1139,16 +1140,23 @@ class Pipeline:
         return self._built[cache_key]
 
     def _aux_rows(
-        self, graph: StageGraph, params_avals: Any, batch_avals: Any, key_aval: Any
-    ) -> tuple[bool, ...]:
+        self, params_avals: Any, micro: Any, batch_avals: Any, key_aval: Any
+    ) -> tuple[bool, ...] | None:
         """Returns, per aux leaf, whether it holds per-example rows (``microbatch.aux_rows``):
-        its shape for the whole batch against the loss stage's, which is one data-parallel
-        shard of one microbatch. The pipeline returns such a leaf joined over the microbatches
-        and shards, as ``jax.value_and_grad`` of the unpipelined loss returns it, and the
-        others as their means; a leaf that is neither is refused rather than returned wrong.
+        its shape for the whole batch against its shape for ``micro``, one data-parallel shard
+        of one microbatch. The pipeline returns such a leaf joined over the microbatches and
+        shards, as ``jax.value_and_grad`` of the unpipelined loss returns it, and the others
+        as their means; a leaf that is neither is refused rather than returned wrong. None
+        when ``loss_fn`` does not run on ``micro`` (the partition's trace says why).
         """
-
-        parts = [a.shape for a in graph.stages[graph.loss_stage].jaxpr.out_avals[1:]]
+        extra = () if key_aval is None else (key_aval,)
+        try:
+            part = jax.eval_shape(
+                lambda p, b, *k: self.loss_fn(p, b, *k)[1], params_avals, micro, *extra
+            )
+        except Exception:  # noqa: BLE001 (tracing it for the partition names the problem)
+            return None
+        parts = [jnp.shape(leaf) for leaf in jax.tree.leaves(part)]
         shards = self.data_parallel_size
         return whole_batch_aux_rows(
             self.loss_fn,
@@ -1210,11 +1218,12 @@ class Pipeline:
             size = int(self.mesh.shape[axis]) if axis is not None else 1
             splits = leaf_splits(self.param_specs, params_avals, axis, size)
             tensor = (axis, size, splits) if axis is not None else None
+        # Which aux leaves hold per-example rows, for every cut below (``_cut``).
+        self._cut_aux_rows = (
+            self._aux_rows(params_avals, micro, batch_avals, key_aval) if self.has_aux else None
+        )
         kind, parted = self._partition(params_avals, micro, key_aval)
         graph = parted.graph
-        if self.has_aux:
-            rows = self._aux_rows(graph, params_avals, batch_avals, key_aval)
-            graph = dataclasses.replace(graph, aux_rows=rows)
         if tensor is not None:
             paths = jax.tree_util.tree_leaves_with_path(params_avals)
             paths = [jax.tree_util.keystr(p) for p, _ in paths]
@@ -1369,6 +1378,7 @@ class Pipeline:
             micro,
             has_aux=self.has_aux,
             tensor_axis=self.tensor_axis,
+            aux_rows=self._cut_aux_rows,
             **kwargs,
         )
 
@@ -1887,11 +1897,12 @@ def pipeline(
     each batch is split into along axis 0; ``num_stages`` (default: one per pp device, two for
     zb-v and interleaved-1f1b) how many stages an unmarked model is cut into.
 
-    ``has_aux``: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of floating arrays (metrics,
+    ``has_aux``: ``loss_fn`` returns ``(loss, aux)``, aux a pytree of arrays (metrics,
     say); ``value_and_grad`` then returns ``((loss, aux), grads)``, each aux leaf the mean of
-    its per-microbatch values, as the loss is, or, where its first axis follows the batch's
-    rows (the shape alone decides: predictions, a per-row loss), the microbatches' values
-    joined in row order, as ``reference_value_and_grad`` computes them. Aux is computed where
+    its per-microbatch values, as the loss is (floating leaves), or, where its first axis
+    follows the batch's rows (the shape alone decides: predictions, a per-row loss; any
+    dtype), the microbatches' values joined in row order, as ``reference_value_and_grad``
+    computes them. Aux is computed where
     ``loss_fn`` computes it and carried to the last stage.
 
     ``param_specs``: tensor parallelism inside each stage. A ``PartitionSpec`` per param leaf
