@@ -180,8 +180,8 @@ class _Runner:
     def outputs(self) -> list[Any]:
         """Returns the loss stage's outputs over the microbatches: means, rows joined."""
         return [
-            jnp.concatenate([parts[i] for i in sorted(parts)]) if rows else total
-            for total, rows, parts in zip(self.totals, self.rows, self.row_parts, strict=True)
+            jnp.concatenate([parts[i] for i in sorted(parts)]) if joined else total
+            for total, joined, parts in zip(self.totals, self.rows, self.row_parts, strict=True)
         ]
 
     def run(self, schedule: Schedule) -> None:
@@ -237,11 +237,11 @@ class _Runner:
             num_out = len(stage.output_differentiable)
             if s == self.graph.loss_stage:
                 self.totals = [
-                    t if rows else t + jnp.asarray(o).astype(t.dtype) / self.m
-                    for t, o, rows in zip(self.totals, outs[:num_out], self.rows, strict=True)
+                    t if joined else t + jnp.asarray(o).astype(t.dtype) / self.m
+                    for t, o, joined in zip(self.totals, outs[:num_out], self.rows, strict=True)
                 ]
-                for j, rows in enumerate(self.rows):
-                    if rows:
+                for j, joined in enumerate(self.rows):
+                    if joined:
                         self.row_parts[j][i] = outs[j]
             for e, values in self._by_edge(stage.out_edges, outs[:num_out]):
                 self.sent[(e, i)] = values

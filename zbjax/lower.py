@@ -1121,9 +1121,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
                         jax.lax.dynamic_update_index_in_dim(
                             acc, jnp.asarray(out).astype(acc.dtype), ctx["micro"], 0
                         )
-                        if rows
+                        if joined
                         else acc + jnp.asarray(out).astype(acc.dtype)
-                        for acc, out, rows in zip(loss, outputs, output_rows, strict=True)
+                        for acc, out, joined in zip(loss, outputs, output_rows, strict=True)
                     ]
                 else:
                     sends = place_sends(
@@ -1316,8 +1316,8 @@ def _run(
             # the positions it sends, and whatever a position held before goes, if it travels
             # at all, to the spare message slot.
             tick_loss = [
-                total if rows else jnp.zeros(a.shape, a.dtype)
-                for total, rows, a in zip(loss_sum, output_rows, loss_avals, strict=True)
+                total if joined else jnp.zeros(a.shape, a.dtype)
+                for total, joined, a in zip(loss_sum, output_rows, loss_avals, strict=True)
             ]
             state = _TickState(arena_bufs, grads, sends, tick_loss)
             # One two-way conditional per (kind, stage) a lane runs anywhere, in sequence (at
@@ -1394,8 +1394,8 @@ def _run(
                 message_buf,
                 state.sends,
                 [
-                    b if rows else a + b.astype(a.dtype)
-                    for a, b, rows in zip(loss_sum, state.loss, output_rows, strict=True)
+                    b if joined else a + b.astype(a.dtype)
+                    for a, b, joined in zip(loss_sum, state.loss, output_rows, strict=True)
                 ],
             )
             return carry, None
@@ -1407,9 +1407,9 @@ def _run(
         grads = [jnp.zeros(r.shape, wide_dtype(r.dtype)) for r in rows]
         zero = [
             jnp.zeros((num_micro, *a.shape), a.dtype)
-            if rows
+            if joined
             else jnp.zeros(a.shape, wide_dtype(a.dtype))
-            for a, rows in zip(loss_avals, output_rows, strict=True)
+            for a, joined in zip(loss_avals, output_rows, strict=True)
         ]
         sends = [
             [
@@ -1423,17 +1423,17 @@ def _run(
         # The loss and its aux, summed on the loss stage's device: their means, on every device
         # (per-example rows: each microbatch's, zeros elsewhere, summed to every device).
         loss = [
-            _psum_rows(t, axis) if rows else reduce_wide(jax.lax.psum, t, axis) / num_micro
-            for t, rows in zip(loss_sum, output_rows, strict=True)
+            _psum_rows(t, axis) if joined else reduce_wide(jax.lax.psum, t, axis) / num_micro
+            for t, joined in zip(loss_sum, output_rows, strict=True)
         ]
         if data_axes:
             # Each data-parallel shard saw an equal part of every microbatch: average (rows:
             # each shard's block of every microbatch's rows, gathered in order).
             loss = [
                 jax.lax.all_gather(t, data_axes, axis=1, tiled=True)
-                if rows
+                if joined
                 else reduce_wide(jax.lax.pmean, t, data_axes)
-                for t, rows in zip(loss, output_rows, strict=True)
+                for t, joined in zip(loss, output_rows, strict=True)
             ]
             # Integer params' gradients are zeros of their dtype (pmean would make them float).
             grads = [
@@ -1488,8 +1488,8 @@ def _run(
     totals, grad_rows, out_pools = run(*args)
     # Per-example rows, [m, rows of a microbatch, ...]: the batch's rows in order.
     totals = [
-        jnp.reshape(t, (t.shape[0] * t.shape[1], *t.shape[2:])) if rows else t
-        for t, rows in zip(totals, output_rows, strict=True)
+        jnp.reshape(t, (t.shape[0] * t.shape[1], *t.shape[2:])) if joined else t
+        for t, joined in zip(totals, output_rows, strict=True)
     ]
     loss = low.graph.loss_and_aux(totals)
     grads = StagedParams(grad_rows, staged.dtypes, low.layout.fingerprint)

@@ -193,7 +193,7 @@ def reference_value_and_grad(
     keys = None if key is None else microbatch_keys(key, num_microbatches)
     value_sum = None
     grad_sum = None
-    rows = None  # with has_aux: per aux leaf, whether it holds per-example rows
+    joined = None  # with has_aux: per aux leaf, whether it holds per-example rows
     row_parts: list[list[Any]] = []  # their values, block by block in the batch's row order
     for i in range(num_microbatches):
         microbatch = jax.tree.map(lambda leaf, i=i: leaf[i], microbatches)
@@ -206,8 +206,8 @@ def reference_value_and_grad(
                 extra = (keys[i] if data_parallel == 1 else jax.random.fold_in(keys[i], s),)
             value, grads = value_and_grad(params, block, *extra)
             if has_aux:
-                if rows is None:
-                    rows = whole_batch_aux_rows(
+                if joined is None:
+                    joined = whole_batch_aux_rows(
                         loss_fn,
                         params,
                         batch,
@@ -215,18 +215,18 @@ def reference_value_and_grad(
                         [jnp.shape(leaf) for leaf in jax.tree.leaves(value[1])],
                         num_microbatches * data_parallel,
                     )
-                    row_parts = [[] for _ in rows]
+                    row_parts = [[] for _ in joined]
                 # Averaged leaves must be floating; joined rows may be integers or bools.
                 check_aux_leaves(
                     (jax.tree_util.keystr(path), jnp.result_type(leaf), jnp.shape(leaf))
-                    for (path, leaf), joined in zip(
-                        jax.tree_util.tree_leaves_with_path(value[1]), rows, strict=True
+                    for (path, leaf), rows_of in zip(
+                        jax.tree_util.tree_leaves_with_path(value[1]), joined, strict=True
                     )
-                    if not joined
+                    if not rows_of
                 )
                 leaves, treedef = jax.tree.flatten(value[1])
                 for j, leaf in enumerate(leaves):
-                    if rows[j]:  # joined at the end, not summed
+                    if joined[j]:  # joined at the end, not summed
                         row_parts[j].append(leaf)
                         leaves[j] = jnp.zeros((), jnp.result_type(leaf))
                 value = (value[0], jax.tree.unflatten(treedef, leaves))
@@ -242,10 +242,10 @@ def reference_value_and_grad(
 
     shards = num_microbatches * data_parallel
     mean = jax.tree.map(functools.partial(mean_of, scale=1.0 / shards), value_sum, dtypes[0])
-    if has_aux and any(rows):
+    if has_aux and any(joined):
         leaves, treedef = jax.tree.flatten(mean[1])
         for j, parts in enumerate(row_parts):
-            if rows[j]:
+            if joined[j]:
                 leaves[j] = jnp.concatenate(parts, axis=0)
         mean = (mean[0], jax.tree.unflatten(treedef, leaves))
     grads = jax.tree.map(
