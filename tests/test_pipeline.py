@@ -489,6 +489,8 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
     # The report simulates with the costs the pipeline was planned with, not the estimates.
     planned = zbjax.schedules.simulate(packed.schedule, costs)
     report = packed.report()
+    # The stage lines keep the cost model's estimates, and say so (helper HD).
+    assert "stages (cost: the cost model's estimate of one forward" in report
     assert "simulated with the costs it was planned with (costs=)" in report
     assert f"makespan {planned.makespan:.4g}" in report
     with pytest.raises(zbjax.PipelineError, match="user layout"):

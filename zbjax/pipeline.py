@@ -964,7 +964,8 @@ class Pipeline:
             + (f"data parallel over {self.data_axes}, " if self.data_axes else "")
             + f"{self.num_microbatches} microbatches",
             "",
-            "stages:",
+            # (The grid below may use measured costs=; these are always the estimates.)
+            "stages (cost: the cost model's estimate of one forward, FLOPs and bytes):",
             stage_summary(built.graph),
             *_stage_dag_lines(built.graph, built.schedule, built.partitioner),
             "",
