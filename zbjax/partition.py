@@ -109,6 +109,11 @@ class _Program:
     aux_treedef: Any = None
 
 
+#: Per aux leaf whether it holds per-example rows, or a function of the aux leaves' shapes for
+#: one microbatch returning that (``partition``'s ``aux_rows``).
+AuxRows = Sequence[bool] | Callable[[list[tuple[int, ...]]], Sequence[bool]]
+
+
 def partition(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -120,7 +125,7 @@ def partition(
     has_aux: bool = False,
     tensor_axis: str | None = None,
     cut: tuple[int, tuple[int, ...]] | None = None,
-    aux_rows: Sequence[bool] | None = None,
+    aux_rows: AuxRows | None = None,
 ) -> StageGraph:
     """Returns the stage graph of ``loss_fn(params, microbatch)`` cut at markers or by cost.
 
@@ -141,8 +146,9 @@ def partition(
     ``cut`` (a graph's ``cut``, from another batch shape) makes a cost-balanced cut start its
     stages at the same pieces of work when the program has as many as then, so another batch
     shape keeps the stages (and the staged params layout); the graph records its ``cut``.
-    ``aux_rows`` (per aux leaf, ``microbatch.aux_rows``) marks the aux leaves of per-example
-    rows, which are joined over microbatches, not averaged, and so may be integers or bools
+    ``aux_rows`` (per aux leaf, ``microbatch.aux_rows``; or a function of the aux leaves'
+    shapes for one microbatch that returns them) marks the aux leaves of per-example rows,
+    which are joined over microbatches, not averaged, and so may be integers or bools
     (``StageGraph.aux_rows``); the others must be floating.
     """
     if not callable(loss_fn):
@@ -180,10 +186,13 @@ def partition(
     return dataclasses.replace(graph, aux_rows=rows) if rows else graph
 
 
-def _checked_aux_rows(program: _Program, aux_rows: Sequence[bool] | None) -> tuple[bool, ...]:
-    """Returns ``aux_rows`` (default: none) for the program's aux leaves; raises PartitionError
-    naming an aux leaf that is averaged (not rows) and not floating."""
+def _checked_aux_rows(program: _Program, aux_rows: AuxRows | None) -> tuple[bool, ...]:
+    """Returns ``aux_rows`` (default: none; a callable gets the aux leaves' shapes for this
+    microbatch) for the program's aux leaves; raises PartitionError naming an aux leaf that is
+    averaged (not rows) and not floating."""
     avals = [v.aval for v in program.jaxpr.outvars[1:]]
+    if callable(aux_rows):
+        aux_rows = aux_rows([tuple(a.shape) for a in avals])
     paths = [
         jax.tree_util.keystr(path)
         for path, _ in jax.tree_util.tree_leaves_with_path(

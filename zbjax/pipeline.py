@@ -322,7 +322,7 @@ class Pipeline:
         self._pools: dict[int, Buffers] = {}  # id(_Built) -> arenas kept between calls
         # id(_Built) -> (it, its forward-only step for pipe.value)
         self._forward_steps: dict[int, tuple[_Built, Lowering, Callable[..., Any]]] = {}
-        self._cut_aux_rows: tuple[bool, ...] | None = None  # the build's (``_aux_rows``)
+        self._cut_aux_rows: Callable[..., tuple[bool, ...]] | None = None  # (``_aux_rows``)
         if isinstance(schedule, Schedule):
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
@@ -1141,33 +1141,32 @@ class Pipeline:
         return self._built[cache_key]
 
     def _aux_rows(
-        self, params_avals: Any, micro: Any, batch_avals: Any, key_aval: Any
-    ) -> tuple[bool, ...] | None:
-        """Returns, per aux leaf, whether it holds per-example rows (``microbatch.aux_rows``):
-        its shape for the whole batch against its shape for ``micro``, one data-parallel shard
-        of one microbatch. The pipeline returns such a leaf joined over the microbatches and
-        shards, as ``jax.value_and_grad`` of the unpipelined loss returns it, and the others
-        as their means; a leaf that is neither is refused rather than returned wrong. None
-        when ``loss_fn`` does not run on ``micro`` (the partition's trace says why).
-        """
-        extra = () if key_aval is None else (key_aval,)
-        try:
-            part = jax.eval_shape(
-                lambda p, b, *k: self.loss_fn(p, b, *k)[1], params_avals, micro, *extra
-            )
-        except Exception:  # noqa: BLE001 (tracing it for the partition names the problem)
-            return None
-        parts = [jnp.shape(leaf) for leaf in jax.tree.leaves(part)]
+        self, params_avals: Any, batch_avals: Any, key_aval: Any
+    ) -> Callable[[list[tuple[int, ...]]], tuple[bool, ...]]:
+        """Returns the function ``partition`` calls with the aux leaves' shapes for one
+        data-parallel shard of one microbatch (from its own trace), which returns per leaf
+        whether it holds per-example rows (``microbatch.aux_rows``, against its shape for the
+        whole batch, traced once). The pipeline returns such a leaf joined over the
+        microbatches and shards, as ``jax.value_and_grad`` of the unpipelined loss returns it,
+        and the others as their means; a leaf that is neither is refused rather than returned
+        wrong."""
         shards = self.data_parallel_size
-        return whole_batch_aux_rows(
-            self.loss_fn,
-            params_avals,
-            batch_avals,
-            key_aval,
-            parts,
-            self.num_microbatches * shards,
-            f" on each of {shards} data-parallel shards" if shards > 1 else "",
-        )
+        found: dict[tuple, tuple[bool, ...]] = {}
+
+        def rows(parts: list[tuple[int, ...]]) -> tuple[bool, ...]:
+            if tuple(parts) not in found:
+                found[tuple(parts)] = whole_batch_aux_rows(
+                    self.loss_fn,
+                    params_avals,
+                    batch_avals,
+                    key_aval,
+                    parts,
+                    self.num_microbatches * shards,
+                    f" on each of {shards} data-parallel shards" if shards > 1 else "",
+                )
+            return found[tuple(parts)]
+
+        return rows
 
     def _microbatch_avals(self, batch: Any) -> Any:
         """Returns one microbatch's avals; raises PipelineError when rows do not divide."""
@@ -1221,7 +1220,7 @@ class Pipeline:
             tensor = (axis, size, splits) if axis is not None else None
         # Which aux leaves hold per-example rows, for every cut below (``_cut``).
         self._cut_aux_rows = (
-            self._aux_rows(params_avals, micro, batch_avals, key_aval) if self.has_aux else None
+            self._aux_rows(params_avals, batch_avals, key_aval) if self.has_aux else None
         )
         kind, parted = self._partition(params_avals, micro, key_aval)
         graph = parted.graph
