@@ -54,6 +54,14 @@ def write_section(name: str, body: str, path: str | Path = RESULTS_PATH) -> Path
     return path
 
 
+def machine_load() -> str:
+    """Returns the output of ``uptime`` (load averages), or a note that it is unavailable."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"load average {os.getloadavg()}"
+
+
 def save_figure(fig, path: Path) -> Path:
     """Returns ``path`` after saving the matplotlib figure ``fig`` there (laid out, 100 dpi)."""
     import matplotlib.pyplot as plt

@@ -33,8 +33,7 @@ from typing import Any
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
-from bw_split import machine_load
+from _results import machine_load, write_section
 from step_time import Setup, alternate, median_ratio, mlp_config, ratio_quartiles
 
 import zbjax

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bw_split
-from _results import pin_to_one_core, write_section
+from _results import machine_load, pin_to_one_core, write_section
 from step_time import alternate, median_ratio, ratio_quartiles
 
 import zbjax
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pin_to_one_core()
     began = time.perf_counter()
-    load_before = bw_split.machine_load()
+    load_before = machine_load()
     results = []
     for model in reference_models(bw_split.Sizes()):
         results.append(measure(model, args.rounds, args.profiles, seconds=args.seconds))
@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
             target_line(results),
             "",
-            f"Machine load before: `{load_before}`; after: `{bw_split.machine_load()}`.",
+            f"Machine load before: `{load_before}`; after: `{machine_load()}`.",
             f"Took {time.perf_counter() - began:.0f} s.",
         ]
     )

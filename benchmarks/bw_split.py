@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from zbjax.profile import (
 from zbjax.split import UNROLL_SCAN_LENGTH, split, split_stage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import pin_to_one_core, run_pinned_copy, write_section  # noqa: E402
+from _results import machine_load, pin_to_one_core, run_pinned_copy, write_section  # noqa: E402
 
 COMMAND = "python benchmarks/bw_split.py"
 TARGET_RATIO = 1.05
@@ -443,14 +442,6 @@ def _ms(seconds: float | None, digits: int = 2) -> str:
 
 def _num(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
-
-
-def machine_load() -> str:
-    """Returns the output of ``uptime`` (load averages), or a note that it is unavailable."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return f"load average {os.getloadavg()}"
 
 
 def table(

@@ -27,8 +27,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
-from bw_split import machine_load  # noqa: E402
+from _results import machine_load, write_section  # noqa: E402
 
 COMMAND = "python benchmarks/compile_layers.py"
 LAYERS = (8, 32, 128)

@@ -26,8 +26,7 @@ import numpy as np
 import zbjax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import save_figure, write_section
-from bw_split import machine_load
+from _results import machine_load, save_figure, write_section
 
 from models import gpt
 

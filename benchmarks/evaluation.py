@@ -25,8 +25,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
-from bw_split import machine_load
+from _results import machine_load, write_section
 from stash_reads import alternate
 
 from models import gpt

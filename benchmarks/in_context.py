@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
-from bw_split import machine_load
+from _results import machine_load, write_section
 from step_time import NUM_DEVICES, SPLIT, TARGET, Setup, make_mesh, mlp_config, split_costs
 
 import zbjax

@@ -266,7 +266,7 @@ def launch(rounds: int, microbatches: Sequence[int], smoke: bool = False) -> dic
 
 def section(result: dict, rounds: int, microbatches: Sequence[int], took: float) -> str:
     """Returns the markdown of the "multiprocess" section."""
-    from bw_split import machine_load
+    from _results import machine_load
     from step_time import stages_text
 
     f, b, w, bw = result["costs_ms"]

@@ -112,7 +112,7 @@ def worker(process_id: int, port: int, rounds: int, out: str, smoke: bool) -> No
 
 def section(times: dict[str, list[float]], rounds: int, took: float) -> str:
     """Returns the markdown of the "overlap" section."""
-    from bw_split import machine_load
+    from _results import machine_load
 
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
     compute, sent = ms["compute only"], ms["send only"]

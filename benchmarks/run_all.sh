@@ -16,6 +16,7 @@ run() {
 }
 run benchmarks/schedules.py
 run benchmarks/lockstep.py
+run benchmarks/auto_ticks.py
 if [ -f benchmarks/graphpipe.py ]; then run benchmarks/graphpipe.py; fi
 run benchmarks/bw_split.py --repeats 41
 run benchmarks/bw_in_step.py --rounds 11 --seconds 60 --profiles 2

@@ -31,8 +31,7 @@ from zbjax.split import split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_time
-from _results import pin_to_one_core, write_section
-from bw_split import machine_load
+from _results import machine_load, pin_to_one_core, write_section
 
 from models import gpt, mlp
 

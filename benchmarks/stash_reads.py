@@ -39,7 +39,7 @@ from zbjax.profile import LOOP_RUNS, looped
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bw_split
-from _results import pin_to_one_core, write_section
+from _results import machine_load, pin_to_one_core, write_section
 
 COMMAND = "python benchmarks/stash_reads.py"
 #: dy of a GPT block's MLP up-projection in ``bw_split``'s stages: batch 8, seq 128, 4 x 256.
@@ -160,9 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pin_to_one_core()
     began = time.perf_counter()
-    load_before = bw_split.machine_load()
+    load_before = machine_load()
     transposes, weights = measure(bw_split.Sizes(), DY_SHAPE, args.repeats)
-    load_after = bw_split.machine_load()
+    load_after = machine_load()
     rows = [weight_row(label, times) for label, times in weights]
     body = "\n".join(
         [

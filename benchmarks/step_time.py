@@ -40,8 +40,7 @@ from zbjax.split import split
 from zbjax.ticks import barrier_time, exchange_messages, exchange_ticks, pack_ticks, plan_ticks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import pin_to_one_core, run_pinned_copy, save_figure, write_section
-from bw_split import machine_load
+from _results import machine_load, pin_to_one_core, run_pinned_copy, save_figure, write_section
 
 from models import mlp
 

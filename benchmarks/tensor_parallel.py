@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _results import write_section
-from bw_split import machine_load
+from _results import machine_load, write_section
 
 from models import gpt, gpt_scan
 from zbjax.cpu import use_cpu_devices

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import auto_ticks  # noqa: E402
 import balance  # noqa: E402
 import buffers  # noqa: E402
 import build_time  # noqa: E402
@@ -474,6 +475,18 @@ def test_evaluation_times_value_against_value_and_grads_loss():
         evaluation.table([row]),
         re.M,
     )
+
+
+def test_auto_ticks_rows_run_the_fastest_candidate_and_the_section_counts_the_losses():
+    rows = auto_ticks.run(shapes=((2, 4), (2, 8)), seeds=4, profiles=False)
+    assert [(r.num_devices, r.num_microbatches) for r in rows] == [(2, 4)] * 4 + [(2, 8)] * 4
+    for r in rows:
+        assert r.chosen_time <= min(r.search, r.best_named) * (1 + 1e-9)
+        assert r.chosen == "search" or r.search > r.chosen_time
+    lost = sum(r.search > 1.01 * r.best_named for r in rows)
+    text = auto_ticks.section(rows, took=1.0)
+    assert f"more than 1 % slower in ticks than the best named order in {lost} of 8 rows" in text
+    assert text.count("\n| random, seed ") == len(rows)
 
 
 def test_run_all_reruns_every_section_with_the_command_that_made_it():

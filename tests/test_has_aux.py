@@ -3,6 +3,7 @@
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -278,12 +279,30 @@ def test_a_loss_written_for_its_microbatch_shape_runs_with_aux():
     batch = {k: jnp.asarray(rng.normal(size=(8, width))) for k in ("x", "y")}
     mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=4, has_aux=True)
-    (loss, aux), grads = pipe.value_and_grad(params, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # scalar aux only: nothing to warn about
+        (loss, aux), grads = pipe.value_and_grad(params, batch)
     (want, want_aux), want_grads = reference_value_and_grad(loss_fn, params, batch, 4, has_aux=True)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     np.testing.assert_allclose(aux["act"], want_aux["act"], rtol=1e-5)
     for name in params:
         np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
+
+    # A per-row aux leaf cannot be told from a mean when loss_fn fails on the whole batch: it
+    # comes back averaged, as before, but now with a warning that says so and why.
+    def per_row(p, b):
+        loss, _ = loss_fn(p, b)
+        return loss, {"row_loss": jnp.mean(b["x"].reshape(rows, width) ** 2, axis=1)}
+
+    pipe = zbjax.pipeline(per_row, mesh=mesh, schedule="1f1b", num_microbatches=4, has_aux=True)
+    with pytest.warns(UserWarning, match="loss_fn fails on the whole batch .TypeError") as got:
+        (_, aux), _ = pipe.value_and_grad(params, batch)
+    assert "every aux leaf comes back as the mean" in str(got[0].message)
+    assert got[0].filename == __file__  # it names the user's line
+    with pytest.warns(UserWarning, match="loss_fn fails on the whole batch"):
+        (_, want_aux), _ = reference_value_and_grad(per_row, params, batch, 4, has_aux=True)
+    assert aux["row_loss"].shape == (rows,)
+    np.testing.assert_allclose(aux["row_loss"], want_aux["row_loss"], rtol=1e-5)
 
 
 def test_flax_batch_stats_pass_in_params_and_come_back_as_aux():

@@ -398,7 +398,7 @@ def test_packed_ticks_route_a_diamonds_messages_and_equal_value_and_grad():
 def test_messages_of_two_lanes_share_a_ticks_exchange_and_equal_value_and_grad(monkeypatch):
     # The diamond again, packed letting a tick's senders share its exchange: device 1 runs
     # both Bs (stages 1 and 2) in one tick, and their cotangents travel to stage 0 together.
-    def shared(schedule, costs):
+    def shared(schedule, costs, segments=True):
         return ticks.pack_ticks(schedule, costs, 2.0, 2, ticks.ANY_KIND, share_exchanges=True)
 
     monkeypatch.setattr(ticks, "choose_ticks", shared)

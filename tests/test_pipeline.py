@@ -501,6 +501,32 @@ def test_measure_costs_times_every_stage_and_feeds_a_packed_pipeline(mlp_setup):
             jax.jit(lambda p, b, m=method: getattr(pipe, m)(p, b))(params, batch)
 
 
+def test_zb_auto_with_costs_runs_the_order_whose_planned_ticks_are_shortest(mlp_setup):
+    # With these costs zb-auto's search (scored in event-driven time, B and W split) plans
+    # 41.65 in ticks and zb-h2's order 39.67 (tests/test_ticks.py): the step runs zb-h2's.
+    loss_fn, params, batch, reference = mlp_setup
+    mesh = jax.make_mesh((2,), ("pp",), devices=jax.devices()[:2])
+    costs = zbjax.schedules.Costs(
+        f=(1.96, 1.79), b=(1.25, 1.69), w=(1.61, 0.94), comm=0.22, bw=(2.51, 2.4)
+    )
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-auto", num_microbatches=8, costs=costs)
+    assert_close(pipe.value_and_grad(params, batch), reference)
+    assert pipe.schedule.name == "zb-auto (zb-h2's order)" and pipe.schedule.mem_limit == 4.0
+    zb_h2 = zbjax.schedules.build("zb-h2", 2, 8, mem_limit=4.0)
+    planned = zbjax.ticks.plan_ticks(zb_h2, costs, [0])[0]
+    assert pipe.schedule.actions == planned.actions
+    report = pipe.report()
+    assert "zb-auto's order, chosen by the time of its planned ticks" in report
+    assert "zb-h2 39.67 (runs), search 41.65" in report
+    # The costs it was planned with, beside the cost model's estimates (helper HD).
+    assert "stage 1: F 1.79, B 1.69, W 0.94, fused backward 2.4 (0.913 of B + W)" in report
+    assert "exchange: 0.22, each further message 0" in report
+    # Without costs= there is nothing to plan ticks by: the search's order runs.
+    plain = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-auto", num_microbatches=8)
+    plain.value_and_grad(params, batch)
+    assert plain.schedule.name == "zb-auto" and "planned ticks" not in plain.report()
+
+
 def _dots_in_loop_body(hlo: str) -> int:
     """Returns the number of dots in the body of the one while loop of compiled ``hlo``,
     counting those in the fusions the body calls."""

@@ -503,16 +503,55 @@ def test_plan_ticks_tries_many_costly_stages_fused_all_at_once(monkeypatch):
     schedule = build("zb-h2", 8, 16)
     plans = []
 
-    def counted(schedule, costs):
-        plans.append(schedule)
-        return choose_ticks(schedule, costs)
+    def counted(schedule, costs, segments=True):
+        plans.append(segments)
+        return choose_ticks(schedule, costs, segments)
 
     monkeypatch.setattr(ticks_module, "choose_ticks", counted)
     planned, positions = plan_ticks(schedule, costs, [0])
-    assert len(plans) == 3  # as built, the empty first stage fused, then the other seven too
+    # As built, the empty first stage fused, then the other seven too: three plans with the
+    # segment search, and the same three without it (plan_ticks returns the faster).
+    assert plans.count(True) == 3 and plans.count(False) == 3
     assert planned.actions == fuse_backward(schedule, range(8)).actions
     split = barrier_time(schedule, choose_ticks(schedule, costs), costs)
     assert barrier_time(planned, positions, costs) < 0.95 * split
+
+
+# zb-auto's order on 2 stages at m = 8: fusing is greedy, and with the segment search its
+# path ends slower (41.80) than without it (41.65).
+GREEDY_COSTS = schedules.Costs(
+    f=(1.96, 1.79), b=(1.25, 1.69), w=(1.61, 0.94), comm=0.22, bw=(2.51, 2.4)
+)
+
+
+def test_plan_ticks_is_never_slower_than_its_plan_without_the_segment_search():
+    schedule = schedules.build("zb-auto", 2, 8, costs=GREEDY_COSTS)
+    plan = plan_ticks(schedule, GREEDY_COSTS, [0])
+    screened = plan_ticks(schedule, GREEDY_COSTS, [0], segments=False)
+    searched_path = ticks_module._planned(schedule, GREEDY_COSTS, [0], True)
+    assert barrier_time(*searched_path, GREEDY_COSTS) > barrier_time(*screened, GREEDY_COSTS)
+    assert barrier_time(*plan, GREEDY_COSTS) == barrier_time(*screened, GREEDY_COSTS)
+    # Without costs there is nothing to search: plain lockstep ticks either way.
+    assert plan_ticks(schedule, None) == plan_ticks(schedule, None, segments=False)
+
+
+def test_fastest_in_ticks_takes_the_candidate_whose_planned_ticks_are_shortest():
+    names = ("zb-auto", "zb-h1", "zb-h2", "1f1b")
+    candidates = [schedules.build(n, 2, 8, costs=GREEDY_COSTS) for n in names]
+    fastest = ticks_module.fastest_in_ticks(candidates, GREEDY_COSTS, [0])
+    full = [barrier_time(*plan_ticks(s, GREEDY_COSTS, [0]), GREEDY_COSTS) for s in candidates]
+    screened = [
+        barrier_time(*plan_ticks(s, GREEDY_COSTS, [0], segments=False), GREEDY_COSTS)
+        for s in candidates
+    ]
+    # zb-h2's order wins in ticks where the search's (planned for event-driven time) loses.
+    assert names[fastest.index] == "zb-h2" and full[2] < 0.97 * full[0]
+    for i, time in enumerate(fastest.times):
+        assert time == (full[i] if fastest.full[i] else screened[i])
+        assert fastest.full[i] == (screened[i] <= min(screened) * 1.05)
+    assert fastest.plan == plan_ticks(candidates[2], GREEDY_COSTS, [0])
+    with pytest.raises(ScheduleError, match="no candidate"):
+        ticks_module.fastest_in_ticks([], GREEDY_COSTS)
 
 
 @pytest.mark.parametrize("name", NAMES)

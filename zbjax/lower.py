@@ -40,7 +40,7 @@ import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,7 @@ from zbjax.params import (
     wide_dtype,
     write_slots,
 )
-from zbjax.schedules.ir import Costs, Schedule
+from zbjax.schedules.ir import Action, Costs, Schedule
 from zbjax.split import forwarded_residuals, forwarded_stash
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import from_blocks, per_shard, to_blocks, value_splits
@@ -458,6 +458,15 @@ class Lowering:
         return _run(self, staged, tuple(batch_leaves), None if pools is None else list(pools))
 
 
+class TickPlan(NamedTuple):
+    """``ticks.plan_ticks(source, costs, ...)``'s result: the schedule to run (``source``
+    with some backwards fused) and each action's (tick, lane)."""
+
+    source: Schedule
+    schedule: Schedule
+    positions: dict[Action, tuple[int, int]]
+
+
 def lower(
     graph: StageGraph,
     programs: Sequence[StageProgram],
@@ -467,10 +476,13 @@ def lower(
     costs: Costs | None = None,
     tensor: tuple[str, int, Sequence[int | None]] | None = None,
     key_leaf: int | None = None,
+    planned: TickPlan | None = None,
 ) -> Lowering:
     """Returns the lowering of ``schedule`` over ``programs`` on ``mesh``'s ``axis_name``.
 
     ``key_leaf`` is the batch leaf that holds the microbatches' PRNG keys (``Lowering.key_leaf``).
+    ``planned`` is ``ticks.plan_ticks``'s result for ``schedule`` and ``costs``, made already
+    (it takes seconds on 8 devices); it is used when its ``source`` is ``schedule``.
 
     ``tensor`` (tensor-parallel axis, its size, per param leaf the dimension it splits or None)
     lays the staged params out split over that axis (``params.staged_layout``); the axis is
@@ -499,7 +511,10 @@ def lower(
     # W. Run it fused where B stood when the costs say the ticks get shorter; so too any stage
     # whose split costs more than deferring its W saves.
     empty_backward = [s.index for s in graph.stages if not any(s.input_differentiable)]
-    schedule, positions = plan_ticks(schedule, costs, empty_backward)
+    if planned is not None and planned.source == schedule:
+        schedule, positions = planned.schedule, dict(planned.positions)
+    else:
+        schedule, positions = plan_ticks(schedule, costs, empty_backward)
     slot_dtypes = _union_dtypes(
         [a for p in programs for a in (*stored_residual_avals(p), *p.stash_avals)]
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -266,11 +267,24 @@ def whole_batch_aux_rows(
     """Returns ``aux_rows`` of ``loss_fn``'s aux for the whole ``batch`` (values or avals,
     traced with ``jax.eval_shape``) against ``parts``, each leaf's shape for one of ``shards``
     parts; all False when ``loss_fn`` does not take the whole batch (a loss written for its
-    microbatch's shape, which runs on microbatches only: its aux leaves are means)."""
+    microbatch's shape, which runs on microbatches only: its aux leaves are means), with a
+    warning where an aux leaf is an array, which might have held a row per example."""
     extra = () if key is None else (key,)
     try:
         whole = jax.eval_shape(lambda p, b, *k: loss_fn(p, b, *k)[1], params, batch, *extra)
-    except Exception:  # noqa: BLE001
+    except Exception as error:  # noqa: BLE001
+        if any(len(shape) for shape in parts):
+            from zbjax.partition import caller_stacklevel  # partition imports this module
+
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            warnings.warn(
+                f"zbjax: loss_fn fails on the whole batch ({type(error).__name__}"
+                f": {reason}), so which aux leaves hold a row per example cannot be told from "
+                "their shapes: every aux leaf comes back as the mean of its microbatches' "
+                "values, per-example ones (predictions, a per-row loss) too. Let loss_fn take "
+                "any batch size (no batch size written into a reshape) to get them joined",
+                stacklevel=caller_stacklevel(),
+            )
         return (False,) * len(parts)
     return aux_rows(
         (

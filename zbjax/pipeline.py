@@ -74,7 +74,7 @@ from zbjax._jax_compat import (
     under_trace,
 )
 from zbjax.errors import PartitionError, PipelineError, ScheduleError
-from zbjax.lower import Lowering, lower
+from zbjax.lower import Lowering, TickPlan, lower
 from zbjax.markers import is_stage_boundary
 from zbjax.microbatch import check_key as _check_key
 from zbjax.microbatch import microbatch_keys, split_microbatches, whole_batch_aux_rows
@@ -101,6 +101,7 @@ from zbjax.schedules.ir import Costs, Schedule, integer, real_number
 from zbjax.split import forwards_only, split
 from zbjax.stages import StageGraph, StageProgram
 from zbjax.tensor import check_row_splits, check_stage_permutes, leaf_splits, tensor_axis
+from zbjax.ticks import zb_auto_in_ticks
 from zbjax.trace import ActionTimes, action_times, make_output_dir
 
 #: Schedules that put two stages on every device.
@@ -130,6 +131,9 @@ class _Built:
     partitioner: str = "chain"  # the partitioner that made ``graph`` ("auto" resolved)
     # jitted (params or staged, batch, key, Buffers) -> (loss, grads, Buffers), buffers donated
     step_with_pools: Callable[..., Any] | None = None
+    # zb-auto planned with costs: each candidate order's name and its planned ticks' time
+    # (``ticks.barrier_time``), the one that runs first
+    in_ticks: tuple[tuple[str, float], ...] = ()
 
 
 @jax.tree_util.register_dataclass
@@ -968,11 +972,25 @@ class Pipeline:
             "stages (cost: the cost model's estimate of one forward, FLOPs and bytes):",
             stage_summary(built.graph),
             *_stage_dag_lines(built.graph, built.schedule, built.partitioner),
+            *_measured_cost_lines(self.costs, built.graph.num_stages),
             "",
             f"schedule (simulated with {where}):",
             schedules.text_grid(built.schedule, sim),
             "",
             f"simulated bubble rate: {sim.bubble_rate:.3f}; makespan {sim.makespan:.4g}",
+            *(
+                [
+                    "zb-auto's order, chosen by the time of its planned ticks (ticks."
+                    "barrier_time with the costs above; 'screened': planned without the "
+                    "segment search, 5 % or more behind): "
+                    + ", ".join(
+                        f"{name} {t:.4g}" + (" (runs)" if i == 0 else "")
+                        for i, (name, t) in enumerate(built.in_ticks)
+                    )
+                ]
+                if built.in_ticks
+                else []
+            ),
             f"lockstep ticks: {low.tables.num_ticks} ({low.tables.num_packed} actions packed "
             "after another in their tick); "
             f"activations between actions, per device: {_arena_text(low)}; in flight at "
@@ -1240,13 +1258,25 @@ class Pipeline:
             # each process another program (a collective mismatch). All plan with process 0's.
             self.costs = _from_first_process(self.costs)
         schedule = self._schedule(graph, programs, parted.placement, kind)
+        costs = (self.costs or program_costs(programs)) if self.pack_ticks else None
+        in_ticks: tuple[tuple[str, float], ...] = ()
+        plan = None
+        if costs is not None and self.schedule_spec == "zb-auto":
+            schedule, in_ticks, plan = _zb_auto_in_ticks(schedule, graph, costs)
         if several:  # a search given time_limit= stops by each process's clock
             schedule = _from_first_process(schedule)
-        costs = (self.costs or program_costs(programs)) if self.pack_ticks else None
         # The keys are the last batch leaf: (microbatches, keys) flattened.
         key_leaf = len(graph.batch_avals) - 1 if key_aval is not None else None
         lowering = lower(
-            graph, programs, schedule, self.mesh, self.axis_name, costs, tensor, key_leaf
+            graph,
+            programs,
+            schedule,
+            self.mesh,
+            self.axis_name,
+            costs,
+            tensor,
+            key_leaf,
+            planned=plan,
         )
         if several:
             _check_same_program(graph, lowering.schedule, micro)
@@ -1259,7 +1289,9 @@ class Pipeline:
 
         step_with_pools = jax.jit(step_buffers, donate_argnums=3)
         # The lowering's schedule is what runs (it may fuse a stage's empty B with its W).
-        return _Built(graph, programs, lowering.schedule, lowering, step, kind, step_with_pools)
+        return _Built(
+            graph, programs, lowering.schedule, lowering, step, kind, step_with_pools, in_ticks
+        )
 
     def _partition(self, params_avals: Any, micro: Any, key_aval: Any) -> tuple[str, _Partitioned]:
         """Returns (the partitioner used, the stage graph and its placement if it chose one)."""
@@ -1836,6 +1868,33 @@ def _stage_dag_lines(graph: StageGraph, schedule: Schedule, partitioner: str) ->
         "  placement (stage -> device): "
         + ", ".join(f"{s}->{d}" for s, d in enumerate(schedule.placement)),
     ]
+
+
+def _measured_cost_lines(costs: schedules.Costs | None, num_stages: int) -> list[str]:
+    """Returns the report's lines of the costs a pipeline was planned with (``costs=``), one
+    per stage: F, B, W and the fused backward, in the costs' unit (seconds when measured)."""
+    if costs is None:
+        return []
+    f, b, w = costs.per_stage(num_stages)
+    bw = costs.fused_per_stage(num_stages)
+    lines = ["costs it was planned with (costs=; seconds when measured), per stage:"]
+    lines += [
+        f"stage {s}: F {f[s]:.4g}, B {b[s]:.4g}, W {w[s]:.4g}, fused backward {bw[s]:.4g}"
+        + (f" ({bw[s] / (b[s] + w[s]):.3f} of B + W)" if b[s] + w[s] > 0 else "")
+        for s in range(num_stages)
+    ]
+    lines.append(f"exchange: {costs.comm:.4g}, each further message {costs.comm_message:.4g}")
+    return lines
+
+
+def _zb_auto_in_ticks(
+    searched: Schedule, graph: StageGraph, costs: schedules.Costs
+) -> tuple[Schedule, tuple[tuple[str, float], ...], TickPlan]:
+    """Returns ``ticks.zb_auto_in_ticks``'s order for ``graph`` (its stages with nothing to
+    send a cotangent to have an empty B), its candidates' times, and the order's plan."""
+    empty = [s.index for s in graph.stages if not any(s.input_differentiable)]
+    order, ranked, plan = zb_auto_in_ticks(searched, costs, empty)
+    return order, ranked, TickPlan(order, *plan)
 
 
 def _from_first_process(value: Any) -> Any:
