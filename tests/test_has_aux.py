@@ -349,3 +349,27 @@ def test_flax_batch_stats_pass_in_params_and_come_back_as_aux():
     updates = pipe.unstage(tx.update(staged_grads, tx.init(staged), staged)[0])
     assert all(np.all(u == 0) for u in jax.tree.leaves(updates["batch_stats"]))
     assert all(np.any(u != 0) for u in jax.tree.leaves(updates["params"]))
+
+
+def test_complex_aux_leaves_come_back_as_value_and_grad_returns_them():
+    """A complex metric was refused ("a mean must be floating"; helper H1), though
+    jax.value_and_grad(has_aux=True) returns it; its mean and per-example rows come back."""
+
+    def loss_fn(p, b):
+        h = zbjax.stage_boundary(jnp.tanh(b["x"] @ p["w0"]))
+        h = jnp.tanh(h @ p["w1"])
+        aux = {"z": jnp.mean(h[:, 0] + 1j * h[:, 1]), "phase": jnp.exp(1j * h[:, 2])}
+        return jnp.mean(h**2), aux
+
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32) for k in ("w0", "w1")}
+    batch = {"x": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)}
+    (want, want_aux), _ = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    pipe = zbjax.pipeline(
+        loss_fn, mesh=pp_mesh(2, dp=2), schedule="zb-h1", num_microbatches=4, has_aux=True
+    )
+    (loss, aux), _ = pipe.value_and_grad(params, batch)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    for name in ("z", "phase"):
+        assert aux[name].dtype == jnp.complex64 and aux[name].shape == want_aux[name].shape
+        np.testing.assert_allclose(aux[name], want_aux[name], rtol=1e-5, atol=1e-7)

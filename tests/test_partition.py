@@ -344,9 +344,17 @@ def test_markers_that_make_a_stage_without_work_say_so():
         h = jnp.tanh(x @ w) + g
         return jnp.mean(jnp.tanh(zbjax.stage_boundary(h) @ w))
 
+    def constant_marked(w, x):
+        # A value from no input is computed in the stages that read it (helper H1: its
+        # marker's stage was left without work, and no warning said so).
+        bias = zbjax.stage_boundary(jnp.arange(3.0) / 3)
+        h = zbjax.stage_boundary(jnp.tanh(x @ w) + bias)
+        return jnp.mean(jnp.tanh(h @ w))
+
     for loss_fn, stage, line, where in (
         (outputs_marked, 1, 1, "from the marker at"),
         (input_marked, 0, 1, "before the first marker, at"),
+        (constant_marked, 0, 3, "before the first marker, at"),
     ):
         at = re.escape(f"{__file__}:{loss_fn.__code__.co_firstlineno + line}")
         with pytest.warns(
@@ -581,6 +589,9 @@ def test_a_checkpoint_around_most_of_the_model_warns_that_one_stage_runs_it():
     params = [jnp.eye(8) * 0.5 for _ in range(4)]
     with pytest.warns(UserWarning, match=r"keeps a jax.checkpoint .* whole.*markers inside it"):
         zbjax.partition(loss_fn, params, jnp.ones((4, 8)), num_stages=3)
+    # On two stages too (twice the even share is the whole model there: it never warned).
+    with pytest.warns(UserWarning, match=r"keeps a jax.checkpoint .* whole"):
+        zbjax.partition(loss_fn, params + [jnp.eye(8)], jnp.ones((4, 8)), num_stages=2)
 
 
 def test_layers_inside_a_cond_or_a_while_loop_kept_whole_draw_the_warning_with_their_fix():

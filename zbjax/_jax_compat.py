@@ -413,6 +413,22 @@ def _jaxprs_in(params: dict) -> list[Jaxpr]:
     return found
 
 
+#: The primitives of a ``jax.custom_vjp`` function in a jaxpr (by JAX version).
+CUSTOM_VJP_PRIMITIVES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def holds_primitive(closed: ClosedJaxpr | Jaxpr, names: frozenset[str]) -> bool:
+    """Returns whether ``closed`` or a jaxpr nested in its equations (a scan's body, a call's,
+    a cond's branches) has an equation of a primitive named in ``names``."""
+    jaxpr = closed.jaxpr if isinstance(closed, ClosedJaxpr) else closed
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        if any(holds_primitive(inner, names) for inner in _jaxprs_in(eqn.params)):
+            return True
+    return False
+
+
 def eval_jaxpr_here(closed: ClosedJaxpr, *args: Any) -> list[Any]:
     """Returns the outputs of ``closed`` applied to ``args``, its equations bound in the caller's
     context (``jaxpr_as_fun`` binds each inside the context recorded when it was traced).

@@ -984,7 +984,7 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     num_micro = low.schedule.num_microbatches
     # Each microbatch's backward is seeded with 2^-k and its param gradients scaled by 2^k / m
     # (``backward_seed``), as reference_value_and_grad does.
-    seed, grad_scale = backward_seed(num_micro)
+    seed, grad_scale = backward_seed(num_micro, low.data_parallel_size, graph.holds_custom_vjp)
     loss_aval = graph.stages[graph.loss_stage].jaxpr.out_avals[0]
     output_rows = graph.output_rows()
     stage = graph.stages[stage_index]

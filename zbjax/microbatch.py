@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zbjax._jax_compat import CUSTOM_VJP_PRIMITIVES, holds_primitive
 from zbjax.errors import PipelineError
 from zbjax.params import wide_dtype
 from zbjax.schedules.ir import count
@@ -174,10 +175,16 @@ def reference_value_and_grad(
         return out
 
     # Each backward is seeded as the pipeline seeds it (``backward_seed``), the gradients then
-    # scaled in float32 where 16-bit.
-    seed, grad_scale = backward_seed(num_microbatches)
+    # scaled in float32 where 16-bit; exactly 1 / (m * data_parallel) where loss_fn holds a
+    # custom_vjp (decided on the first block's trace, below).
+    seed = grad_scale = None
 
     def value_and_grad(params, *args):
+        nonlocal seed, grad_scale
+        if seed is None:
+            traced = jax.make_jaxpr(lambda p: checked(p, *args))(params)
+            custom = holds_primitive(traced, CUSTOM_VJP_PRIMITIVES)
+            seed, grad_scale = backward_seed(num_microbatches, data_parallel, custom)
         out = jax.vjp(lambda p: checked(p, *args), params, has_aux=has_aux)
         loss, pullback = out[0], out[1]
         dtype = jnp.result_type(loss)
@@ -297,12 +304,24 @@ def whole_batch_aux_rows(
     )
 
 
-def backward_seed(num_microbatches: int) -> tuple[float, float]:
-    """Returns (seed, scale): each microbatch's backward is seeded with ``seed``, the power of
-    two 2^-k nearest below 1/m (exact in every float dtype, where 1/3 rounded to bfloat16 is
-    0.3340: every gradient 0.2 % off; and as small as the whole batch's cotangents, where 1
-    overflowed a loss-scaled float16 model), and its gradients scaled by the rest,
-    ``scale`` = 2^k / m. The pipeline and ``reference_value_and_grad`` both use it."""
+def backward_seed(
+    num_microbatches: int, data_parallel: int = 1, custom_vjp: bool = False
+) -> tuple[float, float]:
+    """Returns (seed, scale): each microbatch's backward (on each of ``data_parallel``
+    shards) is seeded with ``seed`` and its gradients scaled by ``scale`` before the shards'
+    sums are averaged. The pipeline and ``reference_value_and_grad`` both use it.
+
+    By default the seed is the power of two 2^-k nearest below 1/m (exact in every float
+    dtype, where 1/3 rounded to bfloat16 is 0.3340: every gradient 0.2 % off; and as small as
+    the whole batch's cotangents, where 1 overflowed a loss-scaled float16 model) and
+    ``scale`` = 2^k / m the rest, which is exact for a backward linear in its seed. With
+    ``custom_vjp`` (the loss holds a ``jax.custom_vjp`` function, whose bwd rule may not be
+    linear: a clip of its cotangent) the seed is what ``jax.value_and_grad`` of the whole
+    batch's mean gives each part, 1 / (m * data_parallel), and ``scale`` = data_parallel
+    undoes the shards' averaging (helper H1: a clipping rule saw cotangents 3/2 too large at
+    m = 3)."""
+    if custom_vjp:
+        return 1.0 / (num_microbatches * data_parallel), float(data_parallel)
     power = num_microbatches.bit_length() - 1
     return 2.0**-power, 2.0**power / num_microbatches
 
@@ -339,16 +358,16 @@ def check_aux_leaves(
     leaves: Iterable[tuple[str, Any, tuple[int, ...]]], error: type[Exception] = PipelineError
 ) -> None:
     """Raises ``error`` naming the first aux leaf, given as (key path, dtype, shape), that is
-    not floating: the leaves given come back as their means over the microbatches, which are
-    not of an integer or bool dtype (a count's mean truncated to 0, a flag's to an OR). (Leaves
-    of per-example rows, joined instead, are not given.)"""
+    neither floating nor complex: the leaves given come back as their means over the
+    microbatches, which are not of an integer or bool dtype (a count's mean truncated to 0, a
+    flag's to an OR). (Leaves of per-example rows, joined instead, are not given.)"""
     for path, dtype, shape in leaves:
-        if not jnp.issubdtype(dtype, jnp.floating):
+        if not jnp.issubdtype(dtype, jnp.inexact):
             raise error(
                 f"aux leaf {path or '(the aux itself)'} is {dtype}{list(shape)}; an aux leaf "
                 "comes back as its mean over the microbatches, as the loss does, or joined "
                 "where it holds per-example rows (its first axis the batch's rows: any dtype), "
-                "and a mean must be floating: return floating values (e.g. "
+                "and a mean must be floating (or complex): return floating values (e.g. "
                 "jnp.mean(correct.astype(jnp.float32)))"
             )
 

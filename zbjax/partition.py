@@ -66,11 +66,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxprs_in_params
 
 from zbjax import cost_model
 from zbjax._jax_compat import (
+    CUSTOM_VJP_PRIMITIVES,
     REMAT_PRIMITIVES,
     bind_equation,
     closes_over_tracers,
     dce_closed_jaxpr,
     equation_source,
+    holds_primitive,
     new_var,
     no_mesh_context,
     ordered_effect_names,
@@ -253,7 +255,10 @@ def _partition(
             explicit, cut = {}, None
     eqn_stages = _assign_stages(program, explicit, count)
     if markers:
-        _warn_idle_stages(program.jaxpr.eqns, markers, eqn_stages, count)
+        # (After the equations on params or on no input alone move to the stages that read
+        # them: a marker on such a value, jnp.arange(d) / d, left its stage without work.)
+        members = _recompute_param_values(program, eqn_stages, count)
+        _warn_idle_stages(program.jaxpr.eqns, markers, members)
     names = [f"stage {s}" for s in range(count)]
     for i, s in explicit.items():
         label = program.jaxpr.eqns[i].params.get("name") if markers else None
@@ -266,12 +271,12 @@ def _partition(
 
 
 def _warn_idle_stages(
-    eqns: Sequence[Any], markers: Sequence[int], eqn_stages: Sequence[int], count: int
+    eqns: Sequence[Any], markers: Sequence[int], members: Sequence[set[int]]
 ) -> None:
-    """Warns when markers make a stage with no work of its own (no equation but its marker):
-    its device only passes values on. Names the markers that start such stages."""
-    working = {s for eqn, s in zip(eqns, eqn_stages, strict=True) if not is_stage_boundary(eqn)}
-    idle = [s for s in range(count) if s not in working]
+    """Warns when markers make a stage with no work of its own (no equation but its marker;
+    ``members``: each stage's equations): its device only passes values on. Names the markers
+    that start such stages."""
+    idle = [s for s, these in enumerate(members) if all(is_stage_boundary(eqns[i]) for i in these)]
     if not idle:
         return
     where = [
@@ -443,7 +448,7 @@ def _trace(
         if "unbound axis name" not in str(error):
             raise
         raise PartitionError(
-            f"loss_fn calls a collective over a mesh axis ({error.args[0].split('.')[0]}): "
+            f"loss_fn calls a collective over a named axis ({error.args[0].split('.')[0]}): "
             "loss_fn is traced as an ordinary function of one microbatch, outside any "
             "shard_map, as jax.value_and_grad would call it. Leave the collectives out (the "
             "pipeline already averages the loss and gradients over the microbatches and the "
@@ -967,7 +972,7 @@ def _recompute_param_values(
     consts = set(jaxpr.constvars)
     made_by: dict[Var, int] = {}  # a value computed from params alone -> its equation
     for i, eqn in enumerate(eqns):
-        if eqn.effects or is_stage_boundary(eqn):
+        if eqn.effects or is_stage_boundary(eqn) or _calls_custom_vjp(eqn):
             continue
         atoms = [a for a in eqn.invars if isinstance(a, Var)]
         if all(a in params or a in consts or a in made_by for a in atoms):
@@ -989,6 +994,18 @@ def _recompute_param_values(
                 wanted.extend(eqns[made_by[a]].invars)
         members[t] = {i for i in members[t] if i not in recomputed} | kept
     return members
+
+
+def _calls_custom_vjp(eqn: Any) -> bool:
+    """Returns whether ``eqn`` calls a ``jax.custom_vjp`` function (itself, or inside a call
+    or loop). Its bwd rule need not be linear in the cotangent (a clip), so a stage that
+    recomputed its value would run the rule on its own share of the cotangent, clip(a) +
+    clip(b) where JAX runs clip(a + b) (helper H1): such a value is computed once and sent."""
+    if eqn.primitive.name in CUSTOM_VJP_PRIMITIVES:
+        return True
+    return any(
+        holds_primitive(inner, CUSTOM_VJP_PRIMITIVES) for inner in jaxprs_in_params(eqn.params)
+    )
 
 
 def _row_sliced_params(
@@ -1139,16 +1156,18 @@ def warn_whole_regions(
     pieces: Sequence[tuple[Any, float]], count: int, graph: bool = False
 ) -> None:
     """Warns when a region a cut keeps whole (a jax.checkpoint, a custom_vjp; with ``graph``,
-    GraphPipe's partition, also a scan) holds more than twice a stage's even share of the cost:
-    the stage that gets it runs most of the model while the others wait, however the rest is
-    cut. ``pieces`` are the (equation, cost) the cut chose between."""
+    GraphPipe's partition, also a scan) holds more than 1.5 times a stage's even share of the
+    cost: the stage that gets it runs most of the model while the others wait, however the
+    rest is cut. (Twice the share never fired on 2 stages, where it is the whole model: helper
+    H1, a checkpoint around 99 % of a model.) ``pieces`` are the (equation, cost) the cut chose
+    between."""
     total = sum(cost for _, cost in pieces)
     for eqn, cost in pieces:
         name = eqn.primitive.name
         what = _KEPT_WHOLE.get(name) or (
             "a lax.scan (nn.scan)" if graph and name == "scan" else None
         )
-        if what is None or cost <= 2 * total / count:
+        if what is None or cost <= 1.5 * total / count:
             continue
         line = user_line(eqn)
         fix = _WHOLE_FIX.get(

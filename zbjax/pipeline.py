@@ -1280,7 +1280,7 @@ class Pipeline:
         )
         if several:
             _check_same_program(graph, lowering.schedule, micro)
-        step_fn = self._step_fn(lowering, graph, key_aval is not None)
+        step_fn = self._step_fn(lowering, graph, key_aval is not None, training=True)
         step = jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[:2])
 
         def step_buffers(params, batch, key, buffers):
@@ -1659,9 +1659,13 @@ class Pipeline:
                     "pipe.graph.edge_pairs)"
                 )
 
-    def _step_fn(self, low: Lowering, graph: StageGraph, with_key: bool):
+    def _step_fn(self, low: Lowering, graph: StageGraph, with_key: bool, training: bool = False):
+        """Returns the step over ``low`` (params, batch, key, pools) -> (loss, grads, pools).
+        A ``training`` step whose stages call a ``jax.custom_vjp`` function refuses to be
+        differentiated (``_no_outer_derivative``)."""
         m = self.num_microbatches
         treedef = self._params_treedef
+        refuse = training and graph.holds_custom_vjp
 
         def step(params, batch, key, pools):
             staged_input = isinstance(params, StagedParams)
@@ -1686,6 +1690,9 @@ class Pipeline:
                 (loss, grads), pools = low.step(staged, leaves), None
             else:
                 loss, grads, pools = low.step(staged, leaves, pools)
+            if refuse:
+                inexact = lambda t: jnp.issubdtype(t.dtype, jnp.inexact)  # noqa: E731
+                loss = jax.tree.map(lambda t: _no_outer_derivative(t) if inexact(t) else t, loss)
             if staged_input:
                 # Each device keeps its rows (every copy of a tied leaf holds the summed
                 # gradient, so an optimizer applied in the staged layout keeps copies equal).
@@ -1694,6 +1701,26 @@ class Pipeline:
             return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves), pools
 
         return step
+
+
+@jax.custom_jvp
+def _no_outer_derivative(x: jax.Array) -> jax.Array:
+    """The identity, whose derivative raises: put on the training step's loss (and aux) where
+    a stage calls a ``jax.custom_vjp`` function. The step's forwards run jax.vjp's forward, in
+    which such a function is its fwd rule's body, so JAX differentiating the step would
+    differentiate that body and not the user's bwd rule (helper H1)."""
+    return x
+
+
+@_no_outer_derivative.defjvp
+def _no_outer_derivative_jvp(primals: Any, tangents: Any) -> Any:
+    raise PipelineError(
+        "differentiating pipe.value_and_grad's outputs (jax.grad of its loss, or of its grads) "
+        "is not supported when loss_fn calls a jax.custom_vjp function: the training step "
+        "runs the function's fwd rule, so JAX would differentiate that and not your bwd rule. "
+        "Differentiate pipe.value(params, batch) instead (it runs the custom_vjp function "
+        "itself), or use the grads value_and_grad returns"
+    )
 
 
 def _new_buffers(built: _Built) -> Buffers:

@@ -261,9 +261,12 @@ def forwards_only(program: StageProgram) -> StageProgram:
     residuals (and what only they needed), no stash, and backward programs that return zeros
     (a lowering of ``Schedule.forwards`` never runs them; they keep their signatures). For
     evaluation: a stage's F then stores nothing."""
-    num_out = len(program.stage.jaxpr.out_avals)
-    forward = program.forward
-    forward = dce_closed_jaxpr(forward, [k < num_out for k in range(len(forward.out_avals))])
+    # The stage's own jaxpr (F is made from it, so takes the same inputs and returns its
+    # outputs first): F is jax.vjp's forward, in which a jax.custom_vjp function is its fwd
+    # rule's body, so an outer jax.grad of F would differentiate that body and not the rule
+    # (helper H1); the stage's jaxpr keeps the custom_vjp call.
+    forward = program.stage.jaxpr
+    assert list(forward.in_avals) == list(program.forward.in_avals)
     num_in_cts = len(program.backward_input.out_avals) - len(program.stash_avals)
     num_out_cts = len(program.backward.in_avals) - len(program.residual_avals)
     cotangents = program.backward.in_avals[len(program.residual_avals) :]

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
-from zbjax._jax_compat import key_impl
+from zbjax._jax_compat import CUSTOM_VJP_PRIMITIVES, holds_primitive, key_impl
 
 
 def is_key(dtype: Any) -> bool:
@@ -169,6 +169,12 @@ class StageGraph:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def holds_custom_vjp(self) -> bool:
+        """Returns whether a stage calls a ``jax.custom_vjp`` function, whose bwd rule may not
+        be linear in its cotangent (``microbatch.backward_seed``)."""
+        return any(holds_primitive(s.jaxpr, CUSTOM_VJP_PRIMITIVES) for s in self.stages)
 
     def output_rows(self) -> tuple[bool, ...]:
         """Returns, per output of the loss stage (``[loss, *aux_leaves]``), whether it holds
