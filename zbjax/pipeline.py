@@ -331,6 +331,7 @@ class Pipeline:
             self._check_schedule(schedule)
         self._params_avals: tuple | None = None
         self._params_treedef: Any = None
+        self._params_paths: tuple[str, ...] = ()  # their key paths, to name a leaf that differs
         self._built: dict[Any, _Built] = {}
         self._last: _Built | None = None
         self._last_inputs: tuple | None = None  # avals of the latest call, for report()
@@ -395,7 +396,13 @@ class Pipeline:
         """
         _refuse_shapes("value", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
-        built = self._get(params, batch, key)
+        try:
+            built = self._get(params, batch, key, training=False)
+        except _LayoutChanged:
+            # Evaluated without the key training had (or another change that cuts the model
+            # elsewhere): the rows, unstaged, run this trace's own cut.
+            params = self.unstage(params)
+            built = self._get(params, batch, key, training=False)
         kept = self._forward_steps.get(id(built))
         if kept is None or kept[0] is not built:  # (a build not cached may reuse an id)
             kept = (built, *self._forward_step(built, key is not None))
@@ -1039,16 +1046,12 @@ class Pipeline:
                     "state out of the params (e.g. nnx.split(model, nnx.Param, ...))"
                 )
         avals = tuple(aval for _, aval in with_paths)
+        paths = tuple(jax.tree_util.keystr(path) for path, _ in with_paths)
         if self._params_treedef is None:
             self._params_treedef, self._params_avals = treedef, avals
+            self._params_paths = paths
         elif treedef != self._params_treedef or _strong(avals) != _strong(self._params_avals):
-            raise PipelineError(
-                "params do not match the structure this pipeline was traced with:\n"
-                f"  expected tree {self._params_treedef}\n  given tree    {treedef}\n"
-                f"  expected shapes {_shapes_text(self._params_avals)}\n"
-                f"  given shapes    {_shapes_text(avals)}\n"
-                "pass params with the same structure, or build a new zbjax.pipeline"
-            )
+            raise PipelineError(_params_mismatch(self, treedef, paths, avals))
         # A Python scalar param is weakly typed and an array after an optimizer step: the
         # step is traced again for it (as jax.jit would), into the same staged layout.
         self._params_avals = avals
@@ -1093,7 +1096,11 @@ class Pipeline:
                 "pass the output of this pipeline's pipe.stage(params)"
             )
 
-    def _get(self, params: Any, batch: Any, key: Any) -> _Built:
+    def _get(self, params: Any, batch: Any, key: Any, training: bool = True) -> _Built:
+        """Returns the build for these inputs (building it on first use). Staged params need
+        the build that made their layout (``_last``); a call in the user layout whose trace
+        cuts elsewhere runs its own build, which becomes the layout to stage for when
+        ``training`` (a ``value`` call keeps the training layout)."""
         first = self._params_treedef is None
         # The key and batch are checked first: a call refused for them binds the pipeline to
         # no params.
@@ -1118,15 +1125,42 @@ class Pipeline:
             if self._last is None or self._last.lowering.layout == built.lowering.layout:
                 break
         else:
-            raise PipelineError(
-                "this batch shape partitions the model into different stages than before, so "
-                "the staged params layout would change; keep the batch shape fixed or build a "
-                "new zbjax.pipeline"
-            )
+            if isinstance(params, StagedParams):
+                raise _LayoutChanged(self._layout_change(batch_avals, key_aval))
+            if not training:
+                return built  # an evaluation of user-layout params: its own cut, once
         self._last = built
         # Avals, not values: under a user's jit these are tracers that must not outlive it.
         self._last_inputs = _avals((params, batch, key))
         return built
+
+    def _layout_change(self, batch_avals: Any, key_aval: Any) -> str:
+        """Returns the error for staged params given with inputs whose trace is cut into
+        stages holding other params than the staged layout's: what differs from the call
+        that made that layout, and the fixes."""
+        before = self._last_inputs
+        differs = []
+        if before is not None:
+            had_key = before[2] is not None
+            if had_key != (key_aval is not None):
+                differs.append(
+                    "it has no key where that call had one (dropout's equations are gone)"
+                    if had_key
+                    else "it has a key where that call had none (dropout's equations appear)"
+                )
+            if jax.tree.leaves(before[1]) != jax.tree.leaves(batch_avals):
+                shapes = _shapes_text(jax.tree.leaves(batch_avals))
+                was = _shapes_text(jax.tree.leaves(before[1]))
+                differs.append(f"its batch is {shapes}, where that call's was {was}")
+        what = "; ".join(differs) or "its params are weakly typed otherwise"
+        return (
+            "these inputs trace loss_fn differently from the call that made the staged params' "
+            f"layout ({what}), and the automatic cut of this trace puts params on other stages, "
+            "so the staged rows cannot run it. Place zbjax.stage_boundary markers (a marked "
+            "cut is the same for every trace), pass the params in your tree layout "
+            "(pipe.unstage(staged); pipe.value does so itself), or build another "
+            "zbjax.pipeline for these inputs"
+        )
 
     def _built_for(
         self, avals: tuple, batch: Any, batch_avals: Any, key_aval: Any, first: bool
@@ -1701,6 +1735,49 @@ class Pipeline:
             return loss, jax.tree_util.tree_unflatten(treedef, grad_leaves), pools
 
         return step
+
+
+def _params_mismatch(pipe: Pipeline, treedef: Any, paths: tuple, avals: tuple) -> str:
+    """Returns the error for params unlike those ``pipe`` was traced with, naming the leaves
+    that differ (a model's tree holds hundreds: the whole of both is no help; helper H2)."""
+    fix = "pass params of the same tree, shapes and dtypes, or build a new zbjax.pipeline"
+    want_paths, want_avals = pipe._params_paths, pipe._params_avals
+    if treedef == pipe._params_treedef:
+        differ = [
+            (path, want, got)
+            for path, want, got in zip(paths, want_avals, avals, strict=True)
+            if _strong((want,)) != _strong((got,))
+        ]
+        listed = "; ".join(
+            f"{path or 'the params'} is {_shapes_text([got])}, traced as {_shapes_text([want])}"
+            for path, want, got in differ[:3]
+        )
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        return (
+            f"params differ from those this pipeline was traced with in {len(differ)} "
+            f"lea{'ves' if len(differ) != 1 else 'f'}: {listed}{more}; {fix}"
+        )
+    missing = [p for p in want_paths if p not in set(paths)]
+    extra = [p for p in paths if p not in set(want_paths)]
+    if not missing and not extra:
+        return (
+            "params have the leaves this pipeline was traced with, in another tree (container "
+            f"types or order): traced {str(pipe._params_treedef)[:300]}, given "
+            f"{str(treedef)[:300]}; {fix}"
+        )
+    parts = [
+        f"{label} {', '.join(found[:3])}" + (f" (and {len(found) - 3} more)" * (len(found) > 3))
+        for label, found in (("missing", missing), ("not traced", extra))
+        if found
+    ]
+    return (
+        f"params have another tree than this pipeline was traced with ({len(want_paths)} leaves "
+        f"then, {len(paths)} now): {'; '.join(parts)}; {fix}"
+    )
+
+
+class _LayoutChanged(PipelineError):
+    """Staged params given with inputs whose automatic cut holds other params per stage."""
 
 
 @jax.custom_jvp
