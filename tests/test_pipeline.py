@@ -2008,12 +2008,27 @@ def test_training_with_a_key_and_evaluating_without_one_share_a_pipeline():
     # Training the rows without the key has no layout to run in: the error says why.
     with pytest.raises(zbjax.PipelineError, match="it has no key where that call had one"):
         pipe.value_and_grad(staged, batch)
-    # Evaluated first, then trained (zbjax demo's order): training's cut is the staged one.
+    # A user-layout call without the key runs its own cut and leaves the staged layout be:
+    # the staged rows train on (it re-pointed the layout, and they were refused; helper H3).
+    deterministic, _ = pipe.value_and_grad(params, batch)
+    np.testing.assert_allclose(deterministic, evaluated, rtol=1e-5)
+    loss, grads = pipe.value_and_grad(staged, batch, key)
+    assert_close((loss, jax.tree.map(np.asarray, pipe.unstage(grads))), want)
+    # Evaluated first, then staged for training (zbjax demo's order): pipe.stage's inputs
+    # decide the staged layout (the evaluation's build had made it; helper H3).
     evaluation_first = make()
     evaluation_first.value(params, batch)
-    loss, _ = evaluation_first.value_and_grad(params, batch, key)
-    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    rows = evaluation_first.stage(params, batch, key)
     assert evaluation_first.lowering.layout == pipe.lowering.layout
+    loss, _ = evaluation_first.value_and_grad(rows, batch, key)
+    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    # Rows of a layout a later pipe.stage replaced are named so, and still unstage.
+    evaluation_first.stage(params, batch)
+    with pytest.raises(zbjax.PipelineError, match="this pipeline's layout for other inputs"):
+        evaluation_first.value_and_grad(rows, batch, key)
+    unstaged = evaluation_first.unstage(rows)
+    for got, given in zip(jax.tree.leaves(unstaged), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(got, given)
 
 
 def test_params_unlike_the_traced_ones_are_named_leaf_by_leaf(mlp_setup):

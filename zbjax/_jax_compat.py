@@ -421,12 +421,15 @@ def holds_primitive(closed: ClosedJaxpr | Jaxpr, names: frozenset[str]) -> bool:
     """Returns whether ``closed`` or a jaxpr nested in its equations (a scan's body, a call's,
     a cond's branches) has an equation of a primitive named in ``names``."""
     jaxpr = closed.jaxpr if isinstance(closed, ClosedJaxpr) else closed
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            return True
-        if any(holds_primitive(inner, names) for inner in _jaxprs_in(eqn.params)):
-            return True
-    return False
+    return any(calls_primitive(eqn, names) for eqn in jaxpr.eqns)
+
+
+def calls_primitive(eqn: Any, names: frozenset[str]) -> bool:
+    """Returns whether ``eqn`` is of a primitive named in ``names`` or holds a jaxpr that has
+    one (``holds_primitive``)."""
+    if eqn.primitive.name in names:
+        return True
+    return any(holds_primitive(inner, names) for inner in _jaxprs_in(eqn.params))
 
 
 def eval_jaxpr_here(closed: ClosedJaxpr, *args: Any) -> list[Any]:

@@ -982,8 +982,9 @@ def _make_action(low: Lowering, kind: int, stage_index: int):
     edges = tables.edges
     msg_dtypes, msg_cap = low.message_dtypes, low.message_capacity
     num_micro = low.schedule.num_microbatches
-    # Each microbatch's backward is seeded with 2^-k and its param gradients scaled by 2^k / m
-    # (``backward_seed``), as reference_value_and_grad does.
+    # Each microbatch's backward is seeded with 2^-k and its param gradients scaled by 2^k / m,
+    # or with 1 / (m * S) and scaled by S where a stage calls a custom_vjp (``backward_seed``),
+    # as reference_value_and_grad does.
     seed, grad_scale = backward_seed(num_micro, low.data_parallel_size, graph.holds_custom_vjp)
     loss_aval = graph.stages[graph.loss_stage].jaxpr.out_avals[0]
     output_rows = graph.output_rows()

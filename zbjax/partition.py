@@ -69,10 +69,10 @@ from zbjax._jax_compat import (
     CUSTOM_VJP_PRIMITIVES,
     REMAT_PRIMITIVES,
     bind_equation,
+    calls_primitive,
     closes_over_tracers,
     dce_closed_jaxpr,
     equation_source,
-    holds_primitive,
     new_var,
     no_mesh_context,
     ordered_effect_names,
@@ -254,10 +254,10 @@ def _partition(
         else:
             explicit, cut = {}, None
     eqn_stages = _assign_stages(program, explicit, count)
+    # Each stage's equations, those on params or on no input alone moved to the stages that
+    # read them (a marker on such a value, jnp.arange(d) / d, left its stage without work).
+    members = _recompute_param_values(program, eqn_stages, count)
     if markers:
-        # (After the equations on params or on no input alone move to the stages that read
-        # them: a marker on such a value, jnp.arange(d) / d, left its stage without work.)
-        members = _recompute_param_values(program, eqn_stages, count)
         _warn_idle_stages(program.jaxpr.eqns, markers, members)
     names = [f"stage {s}" for s in range(count)]
     for i, s in explicit.items():
@@ -265,7 +265,14 @@ def _partition(
         if label:
             names[s] = f"stage {s} ({label})"
     graph = _build_graph(
-        program, eqn_stages, names, params_treedef, batch_treedef, param_avals, batch_avals
+        program,
+        eqn_stages,
+        names,
+        params_treedef,
+        batch_treedef,
+        param_avals,
+        batch_avals,
+        members,
     )
     return graph if markers or cut is None else dataclasses.replace(graph, cut=cut)
 
@@ -856,7 +863,10 @@ def _build_graph(
     batch_treedef: Any,
     param_avals: tuple[jax.ShapeDtypeStruct, ...],
     batch_avals: tuple[jax.ShapeDtypeStruct, ...],
+    members: list[set[int]] | None = None,
 ) -> StageGraph:
+    """Returns the stage graph of ``program`` cut as ``eqn_stages`` says; ``members`` are
+    ``_recompute_param_values``'s, where the caller has them already."""
     jaxpr = program.jaxpr
     eqns = jaxpr.eqns
     count = len(names)
@@ -867,7 +877,8 @@ def _build_graph(
     for i, eqn in enumerate(eqns):
         for v in eqn.outvars:
             home[v] = (eqn_stages[i], len(home))
-    members = _recompute_param_values(program, eqn_stages, count)
+    if members is None:
+        members = _recompute_param_values(program, eqn_stages, count)
     stage_eqns: list[list[Any]] = [[eqns[i] for i in sorted(m)] for m in members]
     reads: list[list[Any]] = [[a for e in stage_eqns[s] for a in e.invars] for s in range(count)]
     computed = [{v for e in stage_eqns[s] for v in e.outvars} for s in range(count)]
@@ -972,7 +983,7 @@ def _recompute_param_values(
     consts = set(jaxpr.constvars)
     made_by: dict[Var, int] = {}  # a value computed from params alone -> its equation
     for i, eqn in enumerate(eqns):
-        if eqn.effects or is_stage_boundary(eqn) or _calls_custom_vjp(eqn):
+        if eqn.effects or is_stage_boundary(eqn):
             continue
         atoms = [a for a in eqn.invars if isinstance(a, Var)]
         if all(a in params or a in consts or a in made_by for a in atoms):
@@ -993,19 +1004,38 @@ def _recompute_param_values(
                 kept.add(made_by[a])
                 wanted.extend(eqns[made_by[a]].invars)
         members[t] = {i for i in members[t] if i not in recomputed} | kept
+    _warn_split_custom_vjp(eqns, members)
     return members
+
+
+def _warn_split_custom_vjp(eqns: Sequence[Any], members: Sequence[set[int]]) -> None:
+    """Warns when a ``jax.custom_vjp`` function of params alone runs in several stages: each
+    stage runs its bwd rule on its own share of the value's cotangent, rule(a) + rule(b)
+    where JAX runs rule(a + b). Exact for a rule linear in its cotangent (a straight-through
+    estimator), not for one that clips or normalizes it (helper H1). Computed once and sent
+    instead, a quantized weight stack or tied embedding would travel to every stage every
+    microbatch (helper H3: 129x the message bytes, a 1.7x step), so it stays recomputed."""
+    for i, eqn in enumerate(eqns):
+        stages = [t for t, these in enumerate(members) if i in these]
+        if len(stages) > 1 and _calls_custom_vjp(eqn):
+            line = user_line(eqn)
+            warnings.warn(
+                "a jax.custom_vjp function of params alone"
+                + (f" (at {line})" if line else "")
+                + f" runs in stages {stages}, which all read its value: each runs its bwd rule "
+                "on its own share of the cotangent, rule(a) + rule(b) where jax.value_and_grad "
+                "runs rule(a + b). That is exact for a rule linear in the cotangent (a "
+                "straight-through estimator), not for one that clips or normalizes it; apply "
+                "such a rule to activations, or where one stage reads the value",
+                stacklevel=caller_stacklevel(),
+            )
+            return
 
 
 def _calls_custom_vjp(eqn: Any) -> bool:
     """Returns whether ``eqn`` calls a ``jax.custom_vjp`` function (itself, or inside a call
-    or loop). Its bwd rule need not be linear in the cotangent (a clip), so a stage that
-    recomputed its value would run the rule on its own share of the cotangent, clip(a) +
-    clip(b) where JAX runs clip(a + b) (helper H1): such a value is computed once and sent."""
-    if eqn.primitive.name in CUSTOM_VJP_PRIMITIVES:
-        return True
-    return any(
-        holds_primitive(inner, CUSTOM_VJP_PRIMITIVES) for inner in jaxprs_in_params(eqn.params)
-    )
+    or loop), whose bwd rule need not be linear in its cotangent."""
+    return calls_primitive(eqn, CUSTOM_VJP_PRIMITIVES)
 
 
 def _row_sliced_params(

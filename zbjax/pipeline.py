@@ -397,12 +397,12 @@ class Pipeline:
         _refuse_shapes("value", params=params, batch=batch, key=key)
         self._check_devices(params=params, batch=batch, key=key)
         try:
-            built = self._get(params, batch, key, training=False)
-        except _LayoutChanged:
+            built = self._get(params, batch, key)
+        except StagedLayoutError:
             # Evaluated without the key training had (or another change that cuts the model
             # elsewhere): the rows, unstaged, run this trace's own cut.
             params = self.unstage(params)
-            built = self._get(params, batch, key, training=False)
+            built = self._get(params, batch, key)
         kept = self._forward_steps.get(id(built))
         if kept is None or kept[0] is not built:  # (a build not cached may reuse an id)
             kept = (built, *self._forward_step(built, key is not None))
@@ -770,8 +770,10 @@ class Pipeline:
         shardings, as ``jax.eval_shape`` would, e.g. the target for restoring a checkpoint of
         staged params, and build the pipeline so that the restored rows can run.
         """
-        if self._last is None and batch is not None:
-            self._get(params, batch, key)
+        if batch is not None:
+            # The staged layout is the one these inputs trace to (an evaluation without the
+            # key before it may have built another).
+            self._get(params, batch, key, stage_for=True)
         built = self._require_built("pipe.stage()")
         leaves = self._check_params(params)
         layout = built.lowering.layout
@@ -799,6 +801,11 @@ class Pipeline:
                 f"a {type(staged).__name__}; params in your own layout need no unstaging"
             )
         built = self._require_built("pipe.unstage()")
+        # Rows of an earlier staged layout of this pipeline unstage by theirs.
+        built = next(
+            (b for b in self._built.values() if b.lowering.layout.fingerprint == staged.layout),
+            built,
+        )
         self._check_staged(staged, built, widened=True)
         local = all(
             not isinstance(r, jax.core.Tracer) and getattr(r, "is_fully_addressable", True)
@@ -988,8 +995,8 @@ class Pipeline:
             *(
                 [
                     "zb-auto's order, chosen by the time of its planned ticks (ticks."
-                    "barrier_time with the costs above; 'screened': planned without the "
-                    "segment search, 5 % or more behind): "
+                    "barrier_time with the costs it was planned with; 'screened': planned "
+                    "without the segment search, more than 5 % behind): "
                     + ", ".join(
                         f"{name} {t:.4g}" + (" (runs)" if i == 0 else "")
                         for i, (name, t) in enumerate(built.in_ticks)
@@ -1066,6 +1073,13 @@ class Pipeline:
         want = [(layout.num_devices, layout.row_width(k)) for k in range(len(layout.dtypes))]
         got = [tuple(np.shape(r)) for r in staged.rows]
         if staged.layout not in (None, layout.fingerprint):
+            if any(b.lowering.layout.fingerprint == staged.layout for b in self._built.values()):
+                raise PipelineError(
+                    "staged params follow this pipeline's layout for other inputs, which a "
+                    "later pipe.stage(params, batch, key) with inputs cut elsewhere (a key or "
+                    "not, another batch shape) replaced; pipe.unstage them and stage them "
+                    "again, or stage for the inputs you train with"
+                )
             raise PipelineError(
                 "staged params follow another pipeline's layout (another schedule, stage count, "
                 "placement or, for an automatic cut, microbatch shape (num_microbatches, batch "
@@ -1096,11 +1110,12 @@ class Pipeline:
                 "pass the output of this pipeline's pipe.stage(params)"
             )
 
-    def _get(self, params: Any, batch: Any, key: Any, training: bool = True) -> _Built:
+    def _get(self, params: Any, batch: Any, key: Any, stage_for: bool = False) -> _Built:
         """Returns the build for these inputs (building it on first use). Staged params need
-        the build that made their layout (``_last``); a call in the user layout whose trace
-        cuts elsewhere runs its own build, which becomes the layout to stage for when
-        ``training`` (a ``value`` call keeps the training layout)."""
+        the build that made their layout (``_last``: the first build, or the latest
+        ``pipe.stage(params, batch, key)``'s, ``stage_for``); a call in the user layout whose
+        trace is cut elsewhere (without the key training takes: no dropout) runs its own
+        build and leaves the staged layout as it is."""
         first = self._params_treedef is None
         # The key and batch are checked first: a call refused for them binds the pipeline to
         # no params.
@@ -1126,9 +1141,9 @@ class Pipeline:
                 break
         else:
             if isinstance(params, StagedParams):
-                raise _LayoutChanged(self._layout_change(batch_avals, key_aval))
-            if not training:
-                return built  # an evaluation of user-layout params: its own cut, once
+                raise StagedLayoutError(self._layout_change(batch_avals, key_aval))
+            if not stage_for:
+                return built  # user-layout params: this trace's own cut, for this call
         self._last = built
         # Avals, not values: under a user's jit these are tracers that must not outlive it.
         self._last_inputs = _avals((params, batch, key))
@@ -1776,8 +1791,9 @@ def _params_mismatch(pipe: Pipeline, treedef: Any, paths: tuple, avals: tuple) -
     )
 
 
-class _LayoutChanged(PipelineError):
-    """Staged params given with inputs whose automatic cut holds other params per stage."""
+class StagedLayoutError(PipelineError):
+    """Staged params given with inputs whose automatic cut holds other params per stage (a
+    call without the key training takes: no dropout equations)."""
 
 
 @jax.custom_jvp
