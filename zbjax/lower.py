@@ -510,7 +510,7 @@ def lower(
     # A stage with no differentiable input (the first) has an empty B: its whole backward is
     # W. Run it fused where B stood when the costs say the ticks get shorter; so too any stage
     # whose split costs more than deferring its W saves.
-    empty_backward = [s.index for s in graph.stages if not any(s.input_differentiable)]
+    empty_backward = graph.empty_backward
     if planned is not None and planned.source == schedule:
         schedule, positions = planned.schedule, dict(planned.positions)
     else:

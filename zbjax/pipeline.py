@@ -2012,8 +2012,7 @@ def _zb_auto_in_ticks(
 ) -> tuple[Schedule, tuple[tuple[str, float], ...], TickPlan]:
     """Returns ``ticks.zb_auto_in_ticks``'s order for ``graph`` (its stages with nothing to
     send a cotangent to have an empty B), its candidates' times, and the order's plan."""
-    empty = [s.index for s in graph.stages if not any(s.input_differentiable)]
-    order, ranked, plan = zb_auto_in_ticks(searched, costs, empty)
+    order, ranked, plan = zb_auto_in_ticks(searched, costs, graph.empty_backward)
     return order, ranked, TickPlan(order, *plan)
 
 

@@ -171,6 +171,12 @@ class StageGraph:
         return len(self.stages)
 
     @property
+    def empty_backward(self) -> tuple[int, ...]:
+        """Returns the stages whose B computes nothing (no differentiable input to send a
+        cotangent to, as the first stage's): their whole backward is W."""
+        return tuple(s.index for s in self.stages if not any(s.input_differentiable))
+
+    @property
     def holds_custom_vjp(self) -> bool:
         """Returns whether a stage calls a ``jax.custom_vjp`` function, whose bwd rule may not
         be linear in its cotangent (``microbatch.backward_seed``)."""
