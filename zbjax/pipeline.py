@@ -333,8 +333,10 @@ class Pipeline:
         self._params_treedef: Any = None
         self._params_paths: tuple[str, ...] = ()  # their key paths, to name a leaf that differs
         self._built: dict[Any, _Built] = {}
+        # The build staged params follow: the first, or the latest call's whose trace is cut
+        # alike (or pipe.stage(params, batch, key)'s); and its inputs' avals, for report()
         self._last: _Built | None = None
-        self._last_inputs: tuple | None = None  # avals of the latest call, for report()
+        self._last_inputs: tuple | None = None
         self._permutes_checked: set[tuple[int, str]] = set()  # (id(_Built), "step" or "forward")
 
     # ------------------------------------------------------------------ public surface
@@ -922,7 +924,8 @@ class Pipeline:
 
     @property
     def graph(self) -> StageGraph:
-        """Returns the stage graph of the latest build (after the first call)."""
+        """Returns the stage graph of the latest build staged params follow (after the first
+        call; a call in your layout whose trace is cut elsewhere runs a build of its own)."""
         return self._require_built("pipe.graph").graph
 
     @property
@@ -941,7 +944,7 @@ class Pipeline:
 
     @property
     def schedule(self) -> Schedule:
-        """Returns the schedule the latest build runs."""
+        """Returns the schedule the latest build staged params follow runs (as ``graph``)."""
         return self._require_built("pipe.schedule").schedule
 
     @property
