@@ -1314,7 +1314,10 @@ class Pipeline:
         in_ticks: tuple[tuple[str, float], ...] = ()
         plan = None
         if costs is not None and self.schedule_spec == "zb-auto":
-            schedule, in_ticks, plan = _zb_auto_in_ticks(schedule, graph, costs)
+            schedule, in_ticks, (planned, at) = zb_auto_in_ticks(
+                schedule, costs, graph.empty_backward
+            )
+            plan = TickPlan(schedule, planned, at)
         if several:  # a search given time_limit= stops by each process's clock
             schedule = _from_first_process(schedule)
         # The keys are the last batch leaf: (microbatches, keys) flattened.
@@ -2008,15 +2011,6 @@ def _measured_cost_lines(costs: schedules.Costs | None, num_stages: int) -> list
     ]
     lines.append(f"exchange: {costs.comm:.4g}, each further message {costs.comm_message:.4g}")
     return lines
-
-
-def _zb_auto_in_ticks(
-    searched: Schedule, graph: StageGraph, costs: schedules.Costs
-) -> tuple[Schedule, tuple[tuple[str, float], ...], TickPlan]:
-    """Returns ``ticks.zb_auto_in_ticks``'s order for ``graph`` (its stages with nothing to
-    send a cotangent to have an empty B), its candidates' times, and the order's plan."""
-    order, ranked, plan = zb_auto_in_ticks(searched, costs, graph.empty_backward)
-    return order, ranked, TickPlan(order, *plan)
 
 
 def _from_first_process(value: Any) -> Any:

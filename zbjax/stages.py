@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import jax
@@ -176,10 +177,11 @@ class StageGraph:
         cotangent to, as the first stage's): their whole backward is W."""
         return tuple(s.index for s in self.stages if not any(s.input_differentiable))
 
-    @property
+    @cached_property
     def holds_custom_vjp(self) -> bool:
         """Returns whether a stage calls a ``jax.custom_vjp`` function, whose bwd rule may not
-        be linear in its cotangent (``microbatch.backward_seed``)."""
+        be linear in its cotangent (``microbatch.backward_seed``). Walked once per graph: the
+        lowering asks for every (stage, action kind)."""
         return any(holds_primitive(s.jaxpr, CUSTOM_VJP_PRIMITIVES) for s in self.stages)
 
     def output_rows(self) -> tuple[bool, ...]:

@@ -791,12 +791,23 @@ def plan_ticks(
     The fusing is greedy, so the plan with the segment search can come out slower than the
     one without it (a stage fused or not on the way); with ``segments``, both are made and the
     faster returned."""
-    planned, positions = _planned(schedule, costs, empty_backward, False)
-    if segments and costs is not None:
-        searched, at = _planned(schedule, costs, empty_backward, True)
-        if barrier_time(searched, at, costs) < barrier_time(planned, positions, costs):
-            planned, positions = searched, at
-    return planned, positions
+    screened = _planned(schedule, costs, empty_backward, False)
+    if not segments or costs is None:
+        return screened
+    return _with_segments(schedule, costs, empty_backward, screened)
+
+
+def _with_segments(
+    schedule: Schedule,
+    costs: Costs,
+    empty_backward: Sequence[int],
+    screened: tuple[Schedule, dict[Action, tuple[int, int]]],
+) -> tuple[Schedule, dict[Action, tuple[int, int]]]:
+    """Returns the faster of ``screened`` (the plan without the segment search) and the plan
+    with it."""
+    searched = _planned(schedule, costs, empty_backward, True)
+    faster = barrier_time(*searched, costs) < barrier_time(*screened, costs)
+    return searched if faster else screened
 
 
 def _planned(
@@ -862,8 +873,8 @@ def fastest_in_ticks(
     cut = min(times) * (1.0 + SCREEN_MARGIN)
     full = [t <= cut for t in times]
     for i, schedule in enumerate(candidates):
-        if full[i]:
-            plans[i] = plan_ticks(schedule, costs, empty_backward)
+        if full[i]:  # plan_ticks in full, its screened half already made
+            plans[i] = _with_segments(schedule, costs, empty_backward, plans[i])
             times[i] = barrier_time(*plans[i], costs)
     least = min(times)
     best = next(i for i, t in enumerate(times) if t <= least * (1 + 1e-9))
