@@ -1,15 +1,18 @@
 """One process of ``test_multiprocess.py``: a pipeline over two processes through jax.distributed.
 
-Run as ``python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON``. Each
+Run as ``python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON [HANG_S]``. Each
 process has 2 CPU devices and joins the others over gloo; the 4 devices form a (pp=2, data=2)
 mesh twice: with the pp axis across the processes (every ppermute crosses them) and with the
 data axis across them (the gradient mean crosses them, and each process loads only its half of
 the batch). Every case's loss and gradients are compared with ``jax.value_and_grad`` of the
-unpipelined loss on this process's first device; the results go to OUT_JSON.
+unpipelined loss on this process's first device; the results go to OUT_JSON. Each finished case
+is printed as it ends, and a process still running after HANG_S seconds (default 240) prints
+every thread's stack and exits, so the log of a hang says where it hung.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 
@@ -21,6 +24,7 @@ process_id, num_processes, port, out_path = (
     sys.argv[3],
     sys.argv[4],
 )
+faulthandler.dump_traceback_later(float(sys.argv[5]) if len(sys.argv) > 5 else 240.0, exit=True)
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
@@ -58,6 +62,12 @@ def process_local(mesh: Mesh, batch):
     )
 
 
+def record(results: list[dict], result: dict) -> None:
+    """Appends ``result`` and prints that its case ended (the log shows how far a hang got)."""
+    results.append(result)
+    print(f"done: {result['case']} (max grad error {result['max_grad_error']:.3g})", flush=True)
+
+
 def main() -> None:
     cfg = mlp.MLPConfig(in_dim=8, width=16, depth=4, out_dim=8, stage_boundaries=())
     loss_fn = mlp.make_loss_fn(cfg)
@@ -87,14 +97,34 @@ def main() -> None:
                 loss, grads = pipe.value_and_grad(p, b)
                 if p is staged:
                     grads = pipe.unstage(grads)
-                results.append(
+                record(
+                    results,
                     {
                         "case": f"{mesh_name}, {schedule}, {input_name}",
                         "loss": float(loss),
                         "reference_loss": float(ref_loss),
                         "max_grad_error": max_error(grads, ref_grads),
-                    }
+                    },
                 )
+    # Params given as global arrays (as a multi-host init makes them) staged, then 20 steps in
+    # a row, each unstaging its grads, with no wait between them but the loss read at the end
+    # (unstaging slice by slice queued dozens of programs over both processes: a hang).
+    mesh = meshes["data across processes"]
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=MICROBATCHES)
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    staged = pipe.stage(jax.tree.map(lambda x: jax.device_put(x, everywhere), params), batch)
+    for _ in range(20):
+        loss, grads = pipe.value_and_grad(staged, batch)
+        grads = pipe.unstage(grads)
+    record(
+        results,
+        {
+            "case": "data across processes, zb-h2, global params staged, 20 steps",
+            "loss": float(loss),
+            "reference_loss": float(ref_loss),
+            "max_grad_error": max_error(grads, ref_grads),
+        },
+    )
     # Each process planning with costs of its own (as pipe.measure_costs gives them: its own
     # timings) would build another program; every process runs process 0's plan. The first
     # build happens under jax.jit, as in a jitted train step.
@@ -105,14 +135,15 @@ def main() -> None:
             loss_fn, mesh=mesh, schedule=schedule, num_microbatches=MICROBATCHES, costs=own
         )
         loss, grads = jax.jit(pipe.value_and_grad)(params, batch)
-        results.append(
+        record(
+            results,
             {
                 "case": f"pp across processes, {schedule}, each process's own costs",
                 "loss": float(loss),
                 "reference_loss": float(ref_loss),
                 "max_grad_error": max_error(grads, ref_grads),
                 "schedule": str(pipe.schedule.actions),
-            }
+            },
         )
     # Processes that build different pipelines are told so, each of them, before any exchange.
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2 + 2 * process_id)
@@ -121,6 +152,7 @@ def main() -> None:
         mismatch = "ran"
     except zbjax.PipelineError as err:
         mismatch = str(err)
+    print("done: processes that build different pipelines", flush=True)
     with open(out_path, "w") as f:
         json.dump({"process_id": process_id, "results": results, "mismatch": mismatch}, f)
 

@@ -13,12 +13,16 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 NUM_PROCESSES = 2
+#: A worker still running after HANG_S seconds prints its threads' stacks and exits
+#: (``faulthandler``); one still running TIMEOUT_S seconds after its start is killed.
+HANG_S = 240
 TIMEOUT_S = 300
 
 
@@ -29,21 +33,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def worker_results(tmp_path_factory) -> list[dict]:
-    """Runs the worker as processes 0 and 1 and returns what each wrote."""
-    out = tmp_path_factory.mktemp("multiprocess")
+def run_workers(out: Path) -> tuple[list[str], bool]:
+    """Runs the worker as processes 0 and 1, writing into ``out``; returns a message per
+    process that failed and whether every failure was a hang (stacks dumped, or killed)."""
     port = free_port()
     # The suite's compile-speed flags (conftest), but no fake-device count a user's XLA_FLAGS
-    # may carry: each process has its one CPU device.
+    # may carry: each process has its CPU devices of the worker's own setting.
     env = dict(os.environ, XLA_FLAGS=os.environ.get("ZBJAX_TEST_XLA_FLAGS", ""))
     procs = []
     for pid in range(NUM_PROCESSES):
         log = open(out / f"worker{pid}.log", "w")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, str(WORKER), str(pid), str(NUM_PROCESSES), str(port)]
-        cmd.append(str(out / f"worker{pid}.json"))
+        cmd += [str(out / f"worker{pid}.json"), str(HANG_S)]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    failed = []
+    failed, hung = [], []
     for pid, (proc, log) in enumerate(procs):
         try:
             code = proc.wait(timeout=TIMEOUT_S)
@@ -53,8 +56,30 @@ def worker_results(tmp_path_factory) -> list[dict]:
             code = f"killed after {TIMEOUT_S} s"
         log.close()
         if code != 0:
-            tail = (out / f"worker{pid}.log").read_text()[-3000:]
-            failed.append(f"worker {pid} exited with {code}:\n{tail}")
+            text = (out / f"worker{pid}.log").read_text()
+            hung.append(isinstance(code, str) or "Timeout (" in text or code == -9)
+            failed.append(f"worker {pid} exited with {code}:\n{text[-6000:]}")
+    return failed, all(hung)
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory) -> list[dict]:
+    """Runs the worker as processes 0 and 1 and returns what each wrote.
+
+    A run that hangs (in the CI of session 44, once in about a dozen runs, on a loaded 2-core
+    machine: both workers past 300 s, no Python error) is run once more, and its logs are
+    given as a warning, so a hang is seen but a single one does not fail the suite. A second
+    hang, or any failure that is not a hang, fails it."""
+    out = tmp_path_factory.mktemp("multiprocess")
+    failed, hung = run_workers(out)
+    if failed and hung:
+        warnings.warn(
+            "the multi-process workers hung; ran them once more. Their logs:\n\n"
+            + "\n\n".join(failed),
+            stacklevel=1,
+        )
+        out = tmp_path_factory.mktemp("multiprocess-again")
+        failed, _ = run_workers(out)
     assert not failed, "\n\n".join(failed)
     return [json.loads((out / f"worker{pid}.json").read_text()) for pid in range(NUM_PROCESSES)]
 
@@ -63,8 +88,8 @@ def test_every_process_ran_every_case(worker_results):
     cases = [[r["case"] for r in w["results"]] for w in worker_results]
     assert cases[0] == cases[1]
     # 2 meshes x 3 schedules x (2 inputs, plus a process-local batch on the data-across mesh),
-    # then 2 schedules planned with each process's own costs
-    assert len(cases[0]) == 17
+    # global params staged and 20 steps, then 2 schedules planned with each process's own costs
+    assert len(cases[0]) == 18
 
 
 def test_processes_planning_with_their_own_costs_run_process_0s_plan(worker_results):

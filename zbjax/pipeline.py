@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import math
@@ -134,6 +135,26 @@ class _Built:
     # zb-auto planned with costs: each candidate order's name and its planned ticks' time
     # (``ticks.barrier_time``), the one that runs first
     in_ticks: tuple[tuple[str, float], ...] = ()
+    _stage_programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def unstage_program(self) -> Callable[[StagedParams], list[jax.Array]]:
+        """Returns the jitted unstaging of rows in this build's layout, leaves replicated on
+        the mesh (for rows over several processes' devices, which every process must unstage
+        by the same one program)."""
+        layout = self.lowering.layout
+        everywhere = NamedSharding(self.lowering.mesh, PartitionSpec())
+        return jax.jit(lambda staged: unstage_leaves(layout, staged), out_shardings=everywhere)
+
+    def stage_program(self, rows: NamedSharding) -> Callable[[list], StagedParams]:
+        """Returns the jitted staging of flat param leaves into this build's layout, rows laid
+        out as ``rows`` (for leaves over several processes' devices; see unstage_program)."""
+        if self._stage_programs.get(rows) is None:
+            layout = self.lowering.layout
+            self._stage_programs[rows] = jax.jit(
+                lambda leaves: stage_leaves(layout, leaves), out_shardings=rows
+            )
+        return self._stage_programs[rows]
 
 
 @jax.tree_util.register_dataclass
@@ -785,6 +806,10 @@ class Pipeline:
             return jax.tree.map(
                 lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding), shapes
             )
+        if not all(getattr(x, "is_fully_addressable", True) for x in leaves):
+            # Leaves over other processes' devices: one program, run by every process (as
+            # for unstaging; joined eagerly, each op was a program over every process).
+            return built.stage_program(sharding)(_replicated(leaves, self.mesh))
         staged = stage_leaves(layout, _on_one_device_set(_replicated(leaves, self.mesh)))
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
 
@@ -814,7 +839,14 @@ class Pipeline:
             for r in staged.rows
         )
         if not local:  # traced, or rows over other processes' devices: sliced as JAX values
-            leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
+            replicated = _replicated(staged, self.mesh)
+            if any(isinstance(r, jax.core.Tracer) for r in staged.rows):
+                leaves = unstage_leaves(built.lowering.layout, replicated)
+            else:
+                # One program, run by every process: sliced eagerly, each slice was a program
+                # over every process's devices, and dozens of them queued at once stalled
+                # XLA:CPU's collectives across processes (a hang in 1 of ~5 two-process runs).
+                leaves = built.unstage_program(replicated)
             return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
         # Eagerly: slice the rows on the host (NumPy reads a sharded row whole). Slicing them
         # on the devices ran one program per leaf (a compile per distinct slice: 20 s for 1000
