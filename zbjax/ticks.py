@@ -601,12 +601,17 @@ class _Segments:
                 heap = [(g + weight * estimate(f), g, f) for _, g, f in heap if g <= best[f][0]]
                 heapq.heapify(heap)
             runs = [self.extents(d, frontier) for d in range(len(sizes))]
+            # Every device's longest run within each limit, ascending: a run's time grows with
+            # its length, so each device's pick only moves on as the limit grows.
+            at = [0] * len(sizes)
             for limit in sorted({r[1] for device_runs in runs for r in device_runs[1:]}):
-                # Every device's longest run within ``limit``.
-                picks = [
-                    max((r for r in device_runs if r[1] <= limit * (1 + 1e-9)), key=_run_end)
-                    for device_runs in runs
-                ]
+                bound = limit * (1 + 1e-9)
+                for d, device_runs in enumerate(runs):
+                    k = at[d]
+                    while k + 1 < len(device_runs) and device_runs[k + 1][1] <= bound:
+                        k += 1
+                    at[d] = k
+                picks = [device_runs[k] for device_runs, k in zip(runs, at, strict=True)]
                 end = tuple(r[0] for r in picks)
                 if end == frontier:
                     continue
@@ -649,10 +654,6 @@ class _Segments:
                     )
             tick += length
         return positions
-
-
-def _run_end(run: _Run) -> int:
-    return run[0]
 
 
 def _frontiers(
