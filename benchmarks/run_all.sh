@@ -35,6 +35,7 @@ run benchmarks/buffers.py --rounds 41
 run benchmarks/in_context.py --repeats 5 --steps 5
 run benchmarks/multiprocess.py --rounds 41 --microbatches 4 8
 run benchmarks/overlap.py --rounds 21
+run benchmarks/multiprocess_unstage.py --runs 3 --steps 40
 if "$PYTHON" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
   run benchmarks/gpu.py
 else

@@ -106,9 +106,9 @@ def main() -> None:
                         "max_grad_error": max_error(grads, ref_grads),
                     },
                 )
-    # Params given as global arrays (as a multi-host init makes them) staged, then 20 steps in
-    # a row, each unstaging its grads, with no wait between them but the loss read at the end
-    # (unstaging slice by slice queued dozens of programs over both processes: a hang).
+    # Params given as global arrays (as a multi-host init makes them) staged, then 20 steps,
+    # each unstaging its grads, then reading its loss (unstaging slice by slice queued dozens
+    # of programs over both processes: a hang, benchmarks/multiprocess_unstage.py).
     mesh = meshes["data across processes"]
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=MICROBATCHES)
     everywhere = NamedSharding(mesh, PartitionSpec())
@@ -116,6 +116,7 @@ def main() -> None:
     for _ in range(20):
         loss, grads = pipe.value_and_grad(staged, batch)
         grads = pipe.unstage(grads)
+        float(loss)
     record(
         results,
         {

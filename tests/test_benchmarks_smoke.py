@@ -29,6 +29,7 @@ import in_context  # noqa: E402
 import lockstep  # noqa: E402
 import memory  # noqa: E402
 import multiprocess  # noqa: E402
+import multiprocess_unstage  # noqa: E402
 import optimizer  # noqa: E402
 import overlap  # noqa: E402
 import slot_writes  # noqa: E402
@@ -362,6 +363,15 @@ def test_multiprocess_benchmark_runs_two_pinned_processes_and_formats_its_sectio
     assert len(in_step) == 4 and all(len(c) == 2 and min(c) > 0 for c in in_step)
     assert in_step[0][1] == pytest.approx(profiled["1f1b"]["per_run"]["F s1"])
     assert "(in-step)" in text and f"| 2 | {multiprocess.IN_STEP} |" in text
+
+
+def test_multiprocess_unstage_runs_two_processes_and_counts_hangs_in_its_section():
+    results = multiprocess_unstage.run(1, 2, ("one program",))
+    assert len(results["one program"]) == 1 and results["one program"][0] > 0
+    text = multiprocess_unstage.section(
+        {"one program": [1.0, 3.0, 2.0], "eager slices": [None, 2.5, None]}, 3, 2, took=1.0
+    )
+    assert "| one program | 3 | 0 | 2.00 |" in text and "| eager slices | 3 | 2 | 2.50 |" in text
 
 
 def test_overlap_benchmark_times_every_variant_in_two_pinned_processes(monkeypatch, capsys):

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(out: Path) -> tuple[list[str], bool]:
-    """Runs the worker as processes 0 and 1, writing into ``out``; returns a message per
-    process that failed and whether every failure was a hang (stacks dumped, or killed)."""
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory) -> list[dict]:
+    """Runs the worker as processes 0 and 1 and returns what each wrote. A worker that hangs
+    prints its stacks after HANG_S seconds, which the failure shows with the cases it ended."""
+    out = tmp_path_factory.mktemp("multiprocess")
     port = free_port()
     # The suite's compile-speed flags (conftest), but no fake-device count a user's XLA_FLAGS
     # may carry: each process has its CPU devices of the worker's own setting.
@@ -46,7 +47,7 @@ def run_workers(out: Path) -> tuple[list[str], bool]:
         cmd = [sys.executable, str(WORKER), str(pid), str(NUM_PROCESSES), str(port)]
         cmd += [str(out / f"worker{pid}.json"), str(HANG_S)]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    failed, hung = [], []
+    failed = []
     for pid, (proc, log) in enumerate(procs):
         try:
             code = proc.wait(timeout=TIMEOUT_S)
@@ -56,30 +57,8 @@ def run_workers(out: Path) -> tuple[list[str], bool]:
             code = f"killed after {TIMEOUT_S} s"
         log.close()
         if code != 0:
-            text = (out / f"worker{pid}.log").read_text()
-            hung.append(isinstance(code, str) or "Timeout (" in text or code == -9)
-            failed.append(f"worker {pid} exited with {code}:\n{text[-6000:]}")
-    return failed, all(hung)
-
-
-@pytest.fixture(scope="module")
-def worker_results(tmp_path_factory) -> list[dict]:
-    """Runs the worker as processes 0 and 1 and returns what each wrote.
-
-    A run that hangs (in the CI of session 44, once in about a dozen runs, on a loaded 2-core
-    machine: both workers past 300 s, no Python error) is run once more, and its logs are
-    given as a warning, so a hang is seen but a single one does not fail the suite. A second
-    hang, or any failure that is not a hang, fails it."""
-    out = tmp_path_factory.mktemp("multiprocess")
-    failed, hung = run_workers(out)
-    if failed and hung:
-        warnings.warn(
-            "the multi-process workers hung; ran them once more. Their logs:\n\n"
-            + "\n\n".join(failed),
-            stacklevel=1,
-        )
-        out = tmp_path_factory.mktemp("multiprocess-again")
-        failed, _ = run_workers(out)
+            tail = (out / f"worker{pid}.log").read_text()[-6000:]
+            failed.append(f"worker {pid} exited with {code}:\n{tail}")
     assert not failed, "\n\n".join(failed)
     return [json.loads((out / f"worker{pid}.json").read_text()) for pid in range(NUM_PROCESSES)]
 
