@@ -142,17 +142,19 @@ class _Built:
         """Returns the jitted unstaging of rows in this build's layout, leaves replicated on
         the mesh (for rows over several processes' devices, which every process must unstage
         by the same one program)."""
-        layout = self.lowering.layout
-        everywhere = NamedSharding(self.lowering.mesh, PartitionSpec())
-        return jax.jit(lambda staged: unstage_leaves(layout, staged), out_shardings=everywhere)
+        layout, mesh = self.lowering.layout, self.lowering.mesh
+        return jax.jit(
+            lambda staged: unstage_leaves(layout, _replicated(staged, mesh)),
+            out_shardings=NamedSharding(mesh, PartitionSpec()),
+        )
 
     def stage_program(self, rows: NamedSharding) -> Callable[[list], StagedParams]:
         """Returns the jitted staging of flat param leaves into this build's layout, rows laid
-        out as ``rows`` (for leaves over several processes' devices; see unstage_program)."""
+        out as ``rows`` (for leaves sharded over several devices; see ``Pipeline.stage``)."""
         if self._stage_programs.get(rows) is None:
-            layout = self.lowering.layout
+            layout, mesh = self.lowering.layout, self.lowering.mesh
             self._stage_programs[rows] = jax.jit(
-                lambda leaves: stage_leaves(layout, leaves), out_shardings=rows
+                lambda leaves: stage_leaves(layout, _replicated(leaves, mesh)), out_shardings=rows
             )
         return self._stage_programs[rows]
 
@@ -806,10 +808,21 @@ class Pipeline:
             return jax.tree.map(
                 lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding), shapes
             )
-        if not all(getattr(x, "is_fully_addressable", True) for x in leaves):
-            # Leaves over other processes' devices: one program, run by every process (as
-            # for unstaging; joined eagerly, each op was a program over every process).
-            return built.stage_program(sharding)(_replicated(leaves, self.mesh))
+        if any(_spread(x) for x in leaves):
+            # Leaves sharded over several devices (a sharded init, a restored checkpoint,
+            # global arrays over several processes) are joined by one program. Eagerly, each op
+            # on them was a program over their devices: 400 such leaves queued more than
+            # XLA:CPU's collectives survive (an abort in 5 of 6 runs), and over several
+            # processes every process must run each.
+            devices = set(self.mesh.devices.flat)
+            everywhere = NamedSharding(self.mesh, PartitionSpec())
+            placed = [
+                jax.device_put(x, everywhere)
+                if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices
+                else x
+                for x in leaves
+            ]
+            return built.stage_program(sharding)(placed)
         staged = stage_leaves(layout, _on_one_device_set(_replicated(leaves, self.mesh)))
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
 
@@ -839,14 +852,13 @@ class Pipeline:
             for r in staged.rows
         )
         if not local:  # traced, or rows over other processes' devices: sliced as JAX values
-            replicated = _replicated(staged, self.mesh)
             if any(isinstance(r, jax.core.Tracer) for r in staged.rows):
-                leaves = unstage_leaves(built.lowering.layout, replicated)
+                leaves = unstage_leaves(built.lowering.layout, _replicated(staged, self.mesh))
             else:
                 # One program, run by every process: sliced eagerly, each slice was a program
                 # over every process's devices, and dozens of them queued at once stalled
-                # XLA:CPU's collectives across processes (a hang in 1 of ~5 two-process runs).
-                leaves = built.unstage_program(replicated)
+                # XLA:CPU's collectives across processes (benchmarks/multiprocess_unstage.py).
+                leaves = built.unstage_program(staged)
             return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
         # Eagerly: slice the rows on the host (NumPy reads a sharded row whole). Slicing them
         # on the devices ran one program per leaf (a compile per distinct slice: 20 s for 1000
@@ -1870,6 +1882,13 @@ def _widened(staged: str, now: Any) -> bool:
     if dtype_name(now) == dtype_name(wide_dtype(staged)):
         return True
     return not jnp.issubdtype(staged, jnp.inexact) and jnp.issubdtype(now, jnp.floating)
+
+
+def _spread(x: Any) -> bool:
+    """Returns whether ``x`` is a concrete array sharded over several devices."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+    return len(x.sharding.device_set) > 1
 
 
 def _on_one_device_set(leaves: list) -> list:
