@@ -154,8 +154,58 @@ def main() -> None:
     except zbjax.PipelineError as err:
         mismatch = str(err)
     print("done: processes that build different pipelines", flush=True)
+    one_differs = calls_where_one_process_differs(loss_fn, params, batch, mesh, ref_loss)
+    print("done: calls where one process differs", flush=True)
     with open(out_path, "w") as f:
-        json.dump({"process_id": process_id, "results": results, "mismatch": mismatch}, f)
+        json.dump(
+            {
+                "process_id": process_id,
+                "results": results,
+                "mismatch": mismatch,
+                "one_differs": one_differs,
+            },
+            f,
+        )
+
+
+def calls_where_one_process_differs(loss_fn, params, batch, mesh, ref_loss) -> dict[str, str]:
+    """Returns what each call where process 1 differs from process 0 gave this process: the
+    loss's difference from the reference where it ran, else the error (type and message)."""
+    out = {}
+
+    def attempt(name, call):
+        try:
+            out[name] = f"ran: {abs(float(call()) - float(ref_loss)):.3g}"
+        except Exception as err:  # each process reports what it got
+            out[name] = f"{type(err).__name__}: {err}"
+
+    def pipe(**kwargs):
+        kwargs = {"schedule": "zb-h2", "num_microbatches": MICROBATCHES, **kwargs}
+        return zbjax.pipeline(loss_fn, mesh=mesh, **kwargs)
+
+    # Process 1's batch lacks a key its loss_fn reads: a KeyError there while tracing; process 0
+    # is told at once (it waited at the build's exchange for process 1).
+    bad_batch = {"x": batch["x"]} if process_id == 1 else batch
+    attempt("a KeyError on process 1", lambda: pipe().value_and_grad(params, bad_batch)[0])
+    # Process 1's params hold one more leaf (unused): another staged layout.
+    more = dict(params, extra=np.zeros(3, np.float32)) if process_id == 1 else params
+    attempt("another params tree", lambda: pipe().value_and_grad(more, batch)[0])
+    # Another schedule asked for on process 1 (process 0's would run there).
+    other = pipe(schedule="zb-h1" if process_id == 1 else "zb-h2")
+    attempt("another schedule", lambda: other.value_and_grad(params, batch)[0])
+    # costs= given to process 0 only: every process plans with them.
+    costs = zbjax.schedules.Costs(f=(1.0, 1.0), b=(1.0, 1.0), w=0.5) if process_id == 0 else None
+    attempt("costs on process 0 only", lambda: pipe(costs=costs).value_and_grad(params, batch)[0])
+    # measure_costs of global arrays (a process-local batch, params replicated over both).
+    data_mesh = Mesh(np.array(jax.devices()).reshape(2, 2).T, ("pp", "data"))
+    measured = zbjax.pipeline(
+        loss_fn, mesh=data_mesh, schedule="zb-h2", num_microbatches=MICROBATCHES
+    )
+    everywhere = NamedSharding(data_mesh, PartitionSpec())
+    global_params = jax.tree.map(lambda x: jax.device_put(x, everywhere), params)
+    costs = measured.measure_costs(global_params, process_local(data_mesh, batch), comm=False)
+    out["measure_costs of global arrays"] = f"stages {len(costs.f)}, min {min(costs.f):.3g}"
+    return out
 
 
 if __name__ == "__main__":

@@ -341,11 +341,15 @@ def closes_over_tracers(consts: Sequence[Any]) -> bool:
 _EXCHANGES = itertools.count()
 
 
-def exchange_between_processes(data: bytes, timeout_s: float = 300.0) -> list[bytes] | None:
+def exchange_between_processes(
+    data: bytes, timeout_s: float = 300.0, wait: bool = True
+) -> list[bytes] | None:
     """Returns every process's ``data`` (process i's at index i) through jax.distributed's
     key-value store: host messages, no device collective, so it also works while a jit traces.
     Every process must call it the same number of times, in the same order. None when
-    jax.distributed was not initialized (the processes cannot be reached this way)."""
+    jax.distributed was not initialized (the processes cannot be reached this way). Without
+    ``wait``, only posts ``data`` as this process's part of its next exchange (a process that
+    stops early tells the others, who wait there) and returns None."""
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -353,6 +357,8 @@ def exchange_between_processes(data: bytes, timeout_s: float = 300.0) -> list[by
         return None
     n = next(_EXCHANGES)
     client.key_value_set_bytes(f"zbjax/exchange/{n}/{jax.process_index()}", data)
+    if not wait:
+        return None
     return [
         bytes(client.blocking_key_value_get_bytes(f"zbjax/exchange/{n}/{i}", int(timeout_s * 1000)))
         for i in range(jax.process_count())

@@ -745,8 +745,9 @@ class Pipeline:
         schedules plan with them, and the lowering packs actions into the spare time of
         ticks by them, weighing fewer ticks against longer ones by the exchanges' costs
         (``pack_ticks``).
-        Over several processes, give every process the same costs (process 0's, say), so
-        that all build the same program.
+        Over several processes each process times its own stages (arrays over other
+        processes' devices count as this process's part of them), and every process plans
+        with process 0's costs, so that all build the same program.
         """
         comm = _flag("comm", comm, allow_none=True)
         _refuse_shapes("measure_costs", params=params, batch=batch, key=key)
@@ -764,8 +765,9 @@ class Pipeline:
         )
         # Arrays typed on a mesh of explicit axes are taken off it (their values, through the
         # host): JAX neither slices rows sharded over such axes nor runs a one-device program
-        # on an array whose type still names the mesh.
-        batch, params, key = _off_explicit_mesh((batch, params, key))
+        # on an array whose type still names the mesh. Arrays over other processes' devices
+        # become this process's part of them.
+        batch, params, key = _off_explicit_mesh(jax.tree.map(_this_process, (batch, params, key)))
         stacked = split_microbatches(batch, m)
         if key is not None:
             stacked = (stacked, microbatch_keys(key, m))
@@ -1326,6 +1328,22 @@ class Pipeline:
         return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
     def _build(self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any) -> _Built:
+        if len({d.process_index for d in self.mesh.devices.flat}) == 1:
+            return self._build_here(params_avals, micro, key_aval, batch_avals, False)
+        try:
+            return self._build_here(params_avals, micro, key_aval, batch_avals, True)
+        except _PeerFailed:
+            raise
+        except Exception as err:
+            # The other processes wait at this build's next exchange: they raise there now.
+            _post_failure(err)
+            raise
+
+    def _build_here(
+        self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any, several: bool
+    ) -> _Built:
+        """Builds the step; ``several``: the mesh spans processes, which agree on the plan and
+        check that they built the same program (``_exchanged``)."""
         tensor = None
         if self.param_specs is not None:  # checked against the params even if none is split
             axis = self.tensor_axis
@@ -1348,12 +1366,14 @@ class Pipeline:
             )
         programs = split(graph)
         _warn_host_residuals(programs)
-        several = len({d.process_index for d in self.mesh.devices.flat}) > 1
-        if several and self.costs is not None:
+        if several:
             # Measured costs are each process's own timings: planned with, they would give
-            # each process another program (a collective mismatch). All plan with process 0's.
-            self.costs = _from_first_process(self.costs)
+            # each process another program (a collective mismatch). All plan with process 0's
+            # and pack ticks as it does (costs given to process 0 only are used everywhere).
+            self.costs, self.pack_ticks = _from_first_process((self.costs, self.pack_ticks))
         schedule = self._schedule(graph, programs, parted.placement, kind)
+        if several:  # a search given time_limit= stops by each process's clock
+            schedule = _from_first_process(schedule)
         costs = (self.costs or program_costs(programs)) if self.pack_ticks else None
         in_ticks: tuple[tuple[str, float], ...] = ()
         plan = None
@@ -1362,8 +1382,6 @@ class Pipeline:
                 schedule, costs, graph.empty_backward
             )
             plan = TickPlan(schedule, planned, at)
-        if several:  # a search given time_limit= stops by each process's clock
-            schedule = _from_first_process(schedule)
         # The keys are the last batch leaf: (microbatches, keys) flattened.
         key_leaf = len(graph.batch_avals) - 1 if key_aval is not None else None
         lowering = lower(
@@ -1378,7 +1396,10 @@ class Pipeline:
             planned=plan,
         )
         if several:
-            _check_same_program(graph, lowering.schedule, micro)
+            params = (jax.tree.structure(params_avals), jax.tree.leaves(params_avals))
+            requested = (self.schedule_name, self.num_microbatches)
+            layout = (lowering.layout.fingerprint, params)
+            _check_same_program(graph, lowering.schedule, micro, requested, layout)
         step_fn = self._step_fn(lowering, graph, key_aval is not None, training=True)
         step = jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[:2])
 
@@ -1884,6 +1905,21 @@ def _widened(staged: str, now: Any) -> bool:
     return not jnp.issubdtype(staged, jnp.inexact) and jnp.issubdtype(now, jnp.floating)
 
 
+def _this_process(x: Any) -> Any:
+    """Returns ``x``, or for an array over other processes' devices a host array of its shape
+    holding what this process's devices hold (zeros elsewhere): the stage programs
+    ``measure_costs`` times run on one device of this process, and time the same on any
+    values."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.is_fully_addressable:
+        return x
+    if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    out = np.zeros(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def _spread(x: Any) -> bool:
     """Returns whether ``x`` is a concrete array sharded over several devices."""
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
@@ -2064,25 +2100,59 @@ def _measured_cost_lines(costs: schedules.Costs | None, num_stages: int) -> list
     return lines
 
 
+class _PeerFailed(PipelineError):
+    """Another process stopped building this pipeline (its error is in the message)."""
+
+
+def _exchanged(value: Any) -> list[Any] | None:
+    """Returns every process's ``value`` (picklable; process i's at index i), or None without
+    jax.distributed. Raises _PeerFailed where another process posted its build's failure
+    (``_post_failure``) instead."""
+    every = exchange_between_processes(pickle.dumps(("ok", value)))
+    if every is None:
+        return None
+    parts = [pickle.loads(b) for b in every]
+    failed = [(i, part[1]) for i, part in enumerate(parts) if part[0] == "failed"]
+    if failed:
+        i, message = failed[0]
+        raise _PeerFailed(
+            f"process {i} stopped building this pipeline ({message}); every process builds it "
+            "from the same arguments and shapes, so fix that process's call"
+        )
+    return [part[1] for part in parts]
+
+
+def _post_failure(err: BaseException) -> None:
+    """Tells the other processes, waiting at this build's next exchange, that this one stopped
+    with ``err`` (so that they raise at once instead of waiting there for it)."""
+    message = f"{type(err).__name__}: {err}"[:500]
+    exchange_between_processes(pickle.dumps(("failed", message)), wait=False)
+
+
 def _from_first_process(value: Any) -> Any:
     """Returns process 0's ``value`` (a picklable plan: costs, a schedule) in every process."""
-    every = exchange_between_processes(pickle.dumps(value))
-    return value if every is None else pickle.loads(every[0])
+    every = _exchanged(value)
+    return value if every is None else every[0]
 
 
-def _check_same_program(graph: StageGraph, schedule: Schedule, micro: Any) -> None:
+def _check_same_program(
+    graph: StageGraph, schedule: Schedule, micro: Any, requested: Any, layout: Any
+) -> None:
     """Raises PipelineError in every process when the processes built different pipelines
-    (another model, schedule, microbatch count or batch shape): their step programs would
-    not match, and the first exchange would fail inside the collectives or hang."""
-    text = repr((stage_summary(graph), schedule, jax.tree.leaves(micro)))
-    every = exchange_between_processes(hashlib.sha256(text.encode()).digest())
+    (another model, params tree, schedule, microbatch count or batch shape): their step
+    programs would not match, and the first exchange would fail inside the collectives or
+    hang. ``requested`` is what each process asked for (the schedule it runs is process 0's);
+    ``layout`` its staged layout (the params' leaves, shapes and dtypes)."""
+    text = repr((stage_summary(graph), schedule, jax.tree.leaves(micro), requested, layout))
+    every = _exchanged(hashlib.sha256(text.encode()).digest())
     differ = [i for i, digest in enumerate(every or ()) if digest != every[0]]
     if differ:
         raise PipelineError(
             f"the processes built different pipelines (process{'es' if len(differ) > 1 else ''} "
-            f"{', '.join(map(str, differ))} not as process 0: another model, schedule, stage "
-            "count, microbatch count or batch shape); every process must call zbjax.pipeline "
-            "with the same arguments and pass params and batches of the same shapes"
+            f"{', '.join(map(str, differ))} not as process 0: another model, params tree, "
+            "schedule, stage count, microbatch count or batch shape); every process must call "
+            "zbjax.pipeline with the same arguments and pass params and batches of the same "
+            "trees and shapes"
         )
 
 
@@ -2142,8 +2212,9 @@ def pipeline(
     ``DAG_SCHEDULE_NAMES``: ``"dag-1f1b"``, ``"dag-zb"``) or a prebuilt ``Schedule``;
     ``costs``, ``mem_limit`` and ``w_mem`` go to ``schedules.build`` (zb-auto and the DAG
     schedules take their costs from the stage programs' estimates when ``costs`` is None).
-    The costs also decide which W actions ``pack_ticks`` packs; over several processes, pass
-    every process the same ``costs`` (or none), so that all build the same program.
+    The costs also decide which W actions ``pack_ticks`` packs; over several processes every
+    process plans with process 0's ``costs`` and ``pack_ticks``, so that all build the same
+    program.
 
     ``partitioner`` cuts the program into stages:
 
