@@ -183,13 +183,26 @@ def calls_where_one_process_differs(loss_fn, params, batch, mesh, ref_loss) -> d
         kwargs = {"schedule": "zb-h2", "num_microbatches": MICROBATCHES, **kwargs}
         return zbjax.pipeline(loss_fn, mesh=mesh, **kwargs)
 
-    # Process 1's batch lacks a key its loss_fn reads: a KeyError there while tracing; process 0
-    # is told at once (it waited at the build's exchange for process 1).
-    bad_batch = {"x": batch["x"]} if process_id == 1 else batch
-    attempt("a KeyError on process 1", lambda: pipe().value_and_grad(params, bad_batch)[0])
+    # Process 1's loss_fn reads a batch key there is not: a KeyError there while tracing;
+    # process 0 is told at once (it waited at the build's exchange for process 1).
+    def broken(p, b):
+        return loss_fn(p, {"x": b["x"], "y": b["no such key"]})
+
+    failing = zbjax.pipeline(
+        broken if process_id == 1 else loss_fn,
+        mesh=mesh,
+        schedule="zb-h2",
+        num_microbatches=MICROBATCHES,
+    )
+    attempt("a KeyError on process 1", lambda: failing.value_and_grad(params, batch)[0])
     # Process 1's params hold one more leaf (unused): another staged layout.
     more = dict(params, extra=np.zeros(3, np.float32)) if process_id == 1 else params
     attempt("another params tree", lambda: pipe().value_and_grad(more, batch)[0])
+    # A second step where process 1 passes half the batch: it alone would build anew.
+    later = pipe()
+    later.value_and_grad(params, batch)
+    half = jax.tree.map(lambda x: x[: ROWS // 2], batch) if process_id == 1 else batch
+    attempt("another batch shape at step 2", lambda: later.value_and_grad(params, half)[0])
     # Another schedule asked for on process 1 (process 0's would run there).
     other = pipe(schedule="zb-h1" if process_id == 1 else "zb-h2")
     attempt("another schedule", lambda: other.value_and_grad(params, batch)[0])

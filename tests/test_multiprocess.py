@@ -96,15 +96,19 @@ def test_losses_and_grads_equal_value_and_grad_on_every_process(worker_results):
 def test_a_process_that_differs_is_named_or_runs_process_0s_plan(worker_results):
     """Each once hung or failed raw (helper H1, session 45): an error on one process left the
     other waiting 300 s in the exchange, then JAX's DEADLINE_EXCEEDED; another params tree
-    passed the check and both failed inside gloo; costs= on process 0 only paired the
-    processes' exchanges wrongly (an AttributeError and a 300 s wait); another schedule ran
-    process 0's silently; measure_costs of global arrays raised JAX's device_put error."""
+    passed the check and both failed inside gloo; another batch shape on one process at the
+    second step hung both (one built anew, the other ran its step); costs= on process 0 only
+    paired the processes' exchanges wrongly (an AttributeError and a 300 s wait); another
+    schedule ran process 0's silently; measure_costs of global arrays raised JAX's
+    device_put error."""
     first, second = (w["one_differs"] for w in worker_results)
     assert second["a KeyError on process 1"].startswith("KeyError")
     assert "process 1 stopped building this pipeline (KeyError" in first["a KeyError on process 1"]
-    for name in ("another params tree", "another schedule"):
+    for got in (first["another schedule"], second["another schedule"]):
+        assert got.startswith("PipelineError: the processes built different pipelines"), got
+    for name in ("another params tree", "another batch shape at step 2"):
         for got in (first[name], second[name]):
-            assert got.startswith("PipelineError: the processes built different pipelines"), got
+            assert got.startswith("PipelineError: the processes called this pipeline with "), got
     for got in (first["costs on process 0 only"], second["costs on process 0 only"]):
         assert got.startswith("ran: ") and float(got.removeprefix("ran: ")) < 1e-6
     for got in (first, second):

@@ -355,14 +355,19 @@ def exchange_between_processes(
     client = distributed.global_state.client
     if client is None:
         return None
-    n = next(_EXCHANGES)
-    client.key_value_set_bytes(f"zbjax/exchange/{n}/{jax.process_index()}", data)
+    n, me = next(_EXCHANGES), jax.process_index()
+    client.key_value_set_bytes(f"zbjax/exchange/{n}/{me}", data)
     if not wait:
         return None
-    return [
+    every = [
         bytes(client.blocking_key_value_get_bytes(f"zbjax/exchange/{n}/{i}", int(timeout_s * 1000)))
         for i in range(jax.process_count())
     ]
+    # Every process posted exchange n after reading all of n - 1: this one's part of n - 1 is
+    # read by all (eager steps exchange once each: the store would grow step by step).
+    if n > 0:
+        client.key_value_delete(f"zbjax/exchange/{n - 1}/{me}")
+    return every
 
 
 def context_mesh_devices() -> tuple | None:

@@ -1165,6 +1165,10 @@ class Pipeline:
         ``pipe.stage(params, batch, key)``'s, ``stage_for``); a call in the user layout whose
         trace is cut elsewhere (without the key training takes: no dropout) runs its own
         build and leaves the staged layout as it is."""
+        if self._several and not any(
+            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))
+        ):
+            _agree_on_call(params, batch, key)
         first = self._params_treedef is None
         # The key and batch are checked first: a call refused for them binds the pipeline to
         # no params.
@@ -1197,6 +1201,11 @@ class Pipeline:
         # Avals, not values: under a user's jit these are tracers that must not outlive it.
         self._last_inputs = _avals((params, batch, key))
         return built
+
+    @functools.cached_property
+    def _several(self) -> bool:
+        """Whether the mesh's devices belong to several processes."""
+        return len({d.process_index for d in self.mesh.devices.flat}) > 1
 
     def _layout_change(self, batch_avals: Any, key_aval: Any) -> str:
         """Returns the error for staged params given with inputs whose trace is cut into
@@ -1328,7 +1337,7 @@ class Pipeline:
         return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
     def _build(self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any) -> _Built:
-        if len({d.process_index for d in self.mesh.devices.flat}) == 1:
+        if not self._several:
             return self._build_here(params_avals, micro, key_aval, batch_avals, False)
         try:
             return self._build_here(params_avals, micro, key_aval, batch_avals, True)
@@ -2127,6 +2136,42 @@ def _post_failure(err: BaseException) -> None:
     with ``err`` (so that they raise at once instead of waiting there for it)."""
     message = f"{type(err).__name__}: {err}"[:500]
     exchange_between_processes(pickle.dumps(("failed", message)), wait=False)
+
+
+def _agree_on_call(params: Any, batch: Any, key: Any) -> None:
+    """Raises PipelineError in every process when the processes called the pipeline with
+    inputs of other trees, shapes or dtypes. Each eager call checks: a process whose call
+    differs only from the second step on (another batch shape) would build anew while the
+    others run the step they built, and wait in its exchanges."""
+
+    def spec(x: Any) -> str:
+        return f"{getattr(x, 'dtype', type(x).__name__)}{list(np.shape(x))}"
+
+    try:
+        staged = isinstance(params, StagedParams)
+        text = repr(
+            (
+                ("staged rows", params.layout, [spec(r) for r in params.rows])
+                if staged
+                else (jax.tree.structure(params), [spec(x) for x in jax.tree.leaves(params)]),
+                jax.tree.structure(batch),
+                [spec(x) for x in jax.tree.leaves(batch)],
+                None if key is None else spec(key),
+            )
+        )
+    except Exception as err:
+        _post_failure(err)
+        raise
+    every = _exchanged(hashlib.sha256(text.encode()).digest())
+    differ = [i for i, digest in enumerate(every or ()) if digest != every[0]]
+    if differ:
+        raise PipelineError(
+            f"the processes called this pipeline with different inputs (process"
+            f"{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))} not as process 0: "
+            "another params tree, staged or not, or another batch tree, shape or dtype, or a "
+            "key where another has none); every process must pass inputs of the same trees "
+            "and shapes at every call"
+        )
 
 
 def _from_first_process(value: Any) -> Any:
