@@ -35,6 +35,7 @@ jax.distributed.initialize(
 )
 
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import zbjax  # noqa: E402
@@ -107,14 +108,16 @@ def main() -> None:
                     },
                 )
     # Params given as global arrays (as a multi-host init makes them) staged, then 20 steps,
-    # each unstaging its grads, then reading its loss (unstaging slice by slice queued dozens
-    # of programs over both processes: a hang, benchmarks/multiprocess_unstage.py).
+    # each taking its grads' global norm and unstaging them, then reading its loss (unstaging
+    # slice by slice queued dozens of programs over both processes: a hang,
+    # benchmarks/multiprocess_unstage.py; the norm op by op 14 for a small GPT).
     mesh = meshes["data across processes"]
     pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="zb-h2", num_microbatches=MICROBATCHES)
     everywhere = NamedSharding(mesh, PartitionSpec())
     staged = pipe.stage(jax.tree.map(lambda x: jax.device_put(x, everywhere), params), batch)
     for _ in range(20):
         loss, grads = pipe.value_and_grad(staged, batch)
+        norm = pipe.global_norm(grads)
         grads = pipe.unstage(grads)
         float(loss)
     record(
@@ -124,6 +127,7 @@ def main() -> None:
             "loss": float(loss),
             "reference_loss": float(ref_loss),
             "max_grad_error": max_error(grads, ref_grads),
+            "norm_error": abs(float(norm) - float(optax.tree.norm(ref_grads))),
         },
     )
     # Each process planning with costs of its own (as pipe.measure_costs gives them: its own

@@ -142,9 +142,12 @@ def test_params_sharded_over_explicit_axes_are_staged(spec):
 
 def test_hundreds_of_sharded_leaves_are_staged_by_one_program():
     """Staging joined leaves sharded over several devices op by op, each op a program over
-    those devices: 400 leaves queued more of them than XLA:CPU's collectives survive, and the
-    process aborted ("Expected 2 threads to join the rendezvous") in 5 of 6 runs. One jitted
-    program joins them now; a leaf committed to one device is put on the whole mesh first."""
+    those devices: in a script of this model (8 devices, JAX's default dispatch) 400 leaves
+    queued more of them than XLA:CPU's collectives survive, and the process aborted
+    ("Expected 2 threads to join the rendezvous") in 5 of 6 runs; here, under the suite's
+    settings, the leaf committed to one device failed in JAX ("Length of device assignment 1 is
+    not equal to the size of the mesh"). One jitted program joins them now, the leaf
+    committed to one device put on the whole mesh first."""
     layers = 200
 
     def loss_fn(params, batch):

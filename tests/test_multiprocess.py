@@ -91,6 +91,7 @@ def test_losses_and_grads_equal_value_and_grad_on_every_process(worker_results):
         for r in worker["results"]:
             assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-6), r["case"]
             assert r["max_grad_error"] < 1e-6, r
+            assert r.get("norm_error", 0.0) < 1e-6, r
 
 
 def test_a_process_that_differs_is_named_or_runs_process_0s_plan(worker_results):

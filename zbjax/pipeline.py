@@ -356,6 +356,8 @@ class Pipeline:
         self._params_treedef: Any = None
         self._params_paths: tuple[str, ...] = ()  # their key paths, to name a leaf that differs
         self._built: dict[Any, _Built] = {}
+        # Jitted global norms of staged values, by their layouts' fingerprints.
+        self._norm_programs: dict[tuple, Callable[[list], jax.Array]] = {}
         # The build staged params follow: the first, or the latest call's whose trace is cut
         # alike (or pipe.stage(params, batch, key)'s); and its inputs' avals, for report()
         self._last: _Built | None = None
@@ -887,22 +889,40 @@ class Pipeline:
         # Staged values may sit inside a container ({"grads": grads}, (grads, aux)): each is
         # counted through the layout, any other leaf as it is.
         nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, StagedParams))
-        squares = []
+        values, layouts = [], []
         for node in nodes:
             if isinstance(node, StagedParams):
                 built = self._require_built("pipe.global_norm() of staged values")
                 self._check_staged(node, built, widened=True)
-                squares.append(staged_sum_of_squares(built.lowering.layout, node))
+                values.append(node)
+                layouts.append(built.lowering.layout)
                 continue
             try:
-                x = jnp.asarray(node)
+                values.append(node if isinstance(node, jax.Array) else jnp.asarray(node))
             except TypeError:
                 raise PipelineError(
                     f"pipe.global_norm takes params or grads (staged or in the user layout); "
                     f"a leaf is a {type(node).__name__} ({node!r:.40}), not an array"
                 ) from None
-            squares.append(sum_of_squares(x))  # integer and bool leaves too, as optax counts
-        return jnp.sqrt(sum(squares, jnp.float32(0.0)))
+            layouts.append(None)
+        norm = functools.partial(_global_norm, tuple(layouts))
+        devices = set(self.mesh.devices.flat)
+
+        def eager(x: jax.Array) -> bool:  # traced, or placed where one program cannot take it
+            if isinstance(x, jax.core.Tracer):
+                return True
+            return x.committed and x.sharding.device_set != devices
+
+        arrays = [x for x in jax.tree.leaves(values) if isinstance(x, jax.Array)]
+        if all(layout is None for layout in layouts) or any(eager(x) for x in arrays):
+            return norm(values)
+        # Eagerly, staged rows are counted by one program: op by op, each op was a program
+        # over the mesh (14 for a small GPT's grads, which over two processes, with a few
+        # steps' worth queued, stalled XLA:CPU's collectives: helper H1, session 45).
+        key = tuple(None if layout is None else layout.fingerprint for layout in layouts)
+        if key not in self._norm_programs:
+            self._norm_programs[key] = jax.jit(norm)
+        return self._norm_programs[key](values)
 
     def clip_by_global_norm(self, max_norm: float):
         """Returns an optax transformation like ``optax.clip_by_global_norm(max_norm)`` whose
@@ -1912,6 +1932,16 @@ def _widened(staged: str, now: Any) -> bool:
     if dtype_name(now) == dtype_name(wide_dtype(staged)):
         return True
     return not jnp.issubdtype(staged, jnp.inexact) and jnp.issubdtype(now, jnp.floating)
+
+
+def _global_norm(layouts: tuple, values: list) -> jax.Array:
+    """Returns the L2 norm of ``values``: staged rows counted through their layout (each
+    element once), other arrays as they are (integer and bool leaves too, as optax counts)."""
+    squares = [
+        sum_of_squares(x) if layout is None else staged_sum_of_squares(layout, x)
+        for layout, x in zip(layouts, values, strict=True)
+    ]
+    return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
 def _this_process(x: Any) -> Any:
