@@ -210,6 +210,12 @@ def calls_where_one_process_differs(loss_fn, params, batch, mesh, ref_loss) -> d
     # Another schedule asked for on process 1 (process 0's would run there).
     other = pipe(schedule="zb-h1" if process_id == 1 else "zb-h2")
     attempt("another schedule", lambda: other.value_and_grad(params, batch)[0])
+    # Process 0 alone measures costs and lowers a built step (as a script printing on process
+    # 0 does); then both run a step, their exchanges still in step.
+    if process_id == 0:
+        later.measure_costs(params, batch, repeats=1)
+        later.lower(params, batch)
+    attempt("a step after process 0 alone measured", lambda: later.value_and_grad(params, batch)[0])
     # costs= given to process 0 only: every process plans with them.
     costs = zbjax.schedules.Costs(f=(1.0, 1.0), b=(1.0, 1.0), w=0.5) if process_id == 0 else None
     attempt("costs on process 0 only", lambda: pipe(costs=costs).value_and_grad(params, batch)[0])

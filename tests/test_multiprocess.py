@@ -110,7 +110,8 @@ def test_a_process_that_differs_is_named_or_runs_process_0s_plan(worker_results)
     for name in ("another params tree", "another batch shape at step 2"):
         for got in (first[name], second[name]):
             assert got.startswith("PipelineError: the processes called this pipeline with "), got
-    for got in (first["costs on process 0 only"], second["costs on process 0 only"]):
-        assert got.startswith("ran: ") and float(got.removeprefix("ran: ")) < 1e-6
+    for name in ("costs on process 0 only", "a step after process 0 alone measured"):
+        for got in (first[name], second[name]):
+            assert got.startswith("ran: ") and float(got.removeprefix("ran: ")) < 1e-6, name
     for got in (first, second):
         assert got["measure_costs of global arrays"].startswith("stages 2, min ")

@@ -488,7 +488,7 @@ class Pipeline:
         ``compiled(params, batch, key, buffers)``, with ``key`` None if ``loss_fn`` takes none.
         """
         self._check_devices(params=params, batch=batch, key=key)
-        built = self._get(params, batch, key)
+        built = self._get(params, batch, key, agree=False)
         if buffers is not None:
             self._check_buffers(buffers, built)
             self._check_permutes(built, built.step_with_pools, params, batch, key, buffers)
@@ -760,7 +760,7 @@ class Pipeline:
                 "measure_costs takes params in the user layout (the stages read the user "
                 "leaves); pass the params you would give value_and_grad before pipe.stage"
             )
-        built = self._get(params, batch, key)
+        built = self._get(params, batch, key, agree=False)
         m, shards = self.num_microbatches, self.data_parallel_size
         device = next(
             d for d in np.ravel(self.mesh.devices) if d.process_index == jax.process_index()
@@ -1179,14 +1179,22 @@ class Pipeline:
                 "pass the output of this pipeline's pipe.stage(params)"
             )
 
-    def _get(self, params: Any, batch: Any, key: Any, stage_for: bool = False) -> _Built:
+    def _get(
+        self, params: Any, batch: Any, key: Any, stage_for: bool = False, agree: bool = True
+    ) -> _Built:
         """Returns the build for these inputs (building it on first use). Staged params need
         the build that made their layout (``_last``: the first build, or the latest
         ``pipe.stage(params, batch, key)``'s, ``stage_for``); a call in the user layout whose
         trace is cut elsewhere (without the key training takes: no dropout) runs its own
-        build and leaves the staged layout as it is."""
-        if self._several and not any(
-            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))
+        build and leaves the staged layout as it is. Over several processes an eager call
+        that runs on every device (``agree``) first checks that every process passed alike
+        inputs (``_agree_on_call``); one process alone may lower or measure a built step."""
+        if (
+            agree
+            and self._several
+            and not any(
+                isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))
+            )
         ):
             _agree_on_call(params, batch, key)
         first = self._params_treedef is None
