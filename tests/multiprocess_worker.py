@@ -34,6 +34,7 @@ jax.distributed.initialize(
     initialization_timeout=120,
 )
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
@@ -216,6 +217,38 @@ def calls_where_one_process_differs(loss_fn, params, batch, mesh, ref_loss) -> d
         later.measure_costs(params, batch, repeats=1)
         later.lower(params, batch)
     attempt("a step after process 0 alone measured", lambda: later.value_and_grad(params, batch)[0])
+    # Process 1 alone calls inside jax.set_mesh of another mesh: refused before any exchange;
+    # process 0 is told at its call's exchange, and the next step runs on both.
+    context = jax.make_mesh((2,), ("x",), devices=jax.local_devices())
+    refused = pipe()
+    refused.value_and_grad(params, batch)
+    if process_id == 1:
+        with jax.set_mesh(context):
+            attempt("refused on process 1 alone", lambda: refused.value_and_grad(params, batch)[0])
+    else:
+        attempt("refused on process 1 alone", lambda: refused.value_and_grad(params, batch)[0])
+    attempt("the step after", lambda: refused.value_and_grad(params, batch)[0])
+    # Another schedule with another stage count on process 1 (zb-v: 2 stages per device).
+    other_count = pipe(schedule="zb-v" if process_id == 1 else "1f1b")
+    attempt("another stage count", lambda: other_count.value_and_grad(params, batch)[0])
+    # Params whose tree holds a function as static data (its repr holds a memory address).
+    tagged = jax.tree_util.Partial(jnp.tanh, params)
+    attempt(
+        "a function in the params tree",
+        lambda: zbjax.pipeline(
+            lambda p, b: loss_fn(p.args[0], b),
+            mesh=mesh,
+            schedule="zb-h2",
+            num_microbatches=MICROBATCHES,
+        ).value_and_grad(tagged, batch)[0],
+    )
+    # Params committed to one of this process's devices, staged on the mesh over both.
+    local = jax.device_put(params, jax.local_devices()[0])
+    staging = pipe()
+    attempt(
+        "params on a local device staged",
+        lambda: staging.value_and_grad(staging.stage(local, batch), batch)[0],
+    )
     # costs= given to process 0 only: every process plans with them.
     costs = zbjax.schedules.Costs(f=(1.0, 1.0), b=(1.0, 1.0), w=0.5) if process_id == 0 else None
     attempt("costs on process 0 only", lambda: pipe(costs=costs).value_and_grad(params, batch)[0])
@@ -228,6 +261,16 @@ def calls_where_one_process_differs(loss_fn, params, batch, mesh, ref_loss) -> d
     global_params = jax.tree.map(lambda x: jax.device_put(x, everywhere), params)
     costs = measured.measure_costs(global_params, process_local(data_mesh, batch), comm=False)
     out["measure_costs of global arrays"] = f"stages {len(costs.f)}, min {min(costs.f):.3g}"
+    # ... and of a typed PRNG key replicated over both (a loss_fn taking a key).
+    keyed = zbjax.pipeline(
+        lambda p, b, key: loss_fn(p, b) + 0.0 * jax.random.normal(key),
+        mesh=data_mesh,
+        schedule="zb-h2",
+        num_microbatches=MICROBATCHES,
+    )
+    key = jax.jit(lambda: jax.random.key(2), out_shardings=everywhere)()
+    costs = keyed.measure_costs(params, batch, key, comm=False)
+    out["measure_costs of a global key"] = f"stages {len(costs.f)}, min {min(costs.f):.3g}"
     return out
 
 

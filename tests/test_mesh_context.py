@@ -174,6 +174,32 @@ def test_hundreds_of_sharded_leaves_are_staged_by_one_program():
         np.testing.assert_array_equal(back[name], value)
 
 
+def test_sharded_leaves_on_the_mesh_devices_in_another_order_or_another_context_stage():
+    """Helper H2 (session 45): staging leaves sharded over several devices by one program
+    refused leaves on the mesh's devices in another order, and ran inside the caller's
+    ``jax.set_mesh`` of other devices: both raised JAX's "incompatible devices"."""
+    loss_fn = mlp.make_loss_fn(MLP_CFG)
+    params = mlp.init_params(jax.random.key(0), MLP_CFG)
+    batch = mlp.make_batch(jax.random.key(1), MLP_CFG, 8)
+    mesh = mesh_2x2(("pp", "dp"), AUTO)
+    pipe = zbjax.pipeline(loss_fn, mesh=mesh, schedule="1f1b", num_microbatches=2)
+    reordered = jax.sharding.Mesh(mesh.devices.T, ("dp", "pp"))
+    elsewhere = jax.make_mesh((4,), ("x",), devices=jax.devices()[4:], axis_types=(AUTO,))
+    reference = reference_value_and_grad(loss_fn, params, batch, 2, data_parallel=2)
+    for leaves_mesh, context in ((reordered, None), (elsewhere, elsewhere)):
+        sharded = jax.device_put(params, NamedSharding(leaves_mesh, P(leaves_mesh.axis_names[0])))
+        if context is None:
+            staged = pipe.stage(sharded, batch)
+        else:
+            with jax.set_mesh(context):
+                staged = pipe.stage(sharded, batch)
+        back = jax.tree.leaves(pipe.unstage(staged))
+        for got, want in zip(back, jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(got, want)
+        loss, grads = pipe.value_and_grad(staged, batch)
+        assert_close((loss, pipe.unstage(grads)), reference)
+
+
 def test_a_context_mesh_other_than_the_pipelines_is_named():
     loss_fn = mlp.make_loss_fn(MLP_CFG)
     params = mlp.init_params(jax.random.key(0), MLP_CFG)

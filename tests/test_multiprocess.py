@@ -101,7 +101,11 @@ def test_a_process_that_differs_is_named_or_runs_process_0s_plan(worker_results)
     second step hung both (one built anew, the other ran its step); costs= on process 0 only
     paired the processes' exchanges wrongly (an AttributeError and a 300 s wait); another
     schedule ran process 0's silently; measure_costs of global arrays raised JAX's
-    device_put error."""
+    device_put error. Helper H2 (session 45), of the first fixes: a refusal on one process
+    before its call's exchange put the processes' exchanges one apart (later steps paired
+    wrongly, then a 300 s wait); another stage count failed in process 0's schedule; a
+    function in the params tree (its repr holds an address) was called different; a global
+    key failed in measure_costs; params on a local device failed to stage over both."""
     first, second = (w["one_differs"] for w in worker_results)
     assert second["a KeyError on process 1"].startswith("KeyError")
     assert "process 1 stopped building this pipeline (KeyError" in first["a KeyError on process 1"]
@@ -110,8 +114,20 @@ def test_a_process_that_differs_is_named_or_runs_process_0s_plan(worker_results)
     for name in ("another params tree", "another batch shape at step 2"):
         for got in (first[name], second[name]):
             assert got.startswith("PipelineError: the processes called this pipeline with "), got
-    for name in ("costs on process 0 only", "a step after process 0 alone measured"):
+    assert second["refused on process 1 alone"].startswith("PipelineError: the call runs inside")
+    assert "process 1 stopped building this pipeline" in first["refused on process 1 alone"]
+    for got in (first["another stage count"], second["another stage count"]):
+        assert got.startswith("PipelineError: the processes built different pipelines"), got
+    names = (
+        "costs on process 0 only",
+        "a step after process 0 alone measured",
+        "the step after",
+        "a function in the params tree",
+        "params on a local device staged",
+    )
+    for name in names:
         for got in (first[name], second[name]):
             assert got.startswith("ran: ") and float(got.removeprefix("ran: ")) < 1e-6, name
     for got in (first, second):
         assert got["measure_costs of global arrays"].startswith("stages 2, min ")
+        assert got["measure_costs of a global key"].startswith("stages 2, min ")

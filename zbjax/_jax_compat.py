@@ -339,6 +339,12 @@ def closes_over_tracers(consts: Sequence[Any]) -> bool:
 
 
 _EXCHANGES = itertools.count()
+_exchanges_made = 0
+
+
+def exchanges_made() -> int:
+    """Returns how many exchanges (``exchange_between_processes``) this process has made."""
+    return _exchanges_made
 
 
 def exchange_between_processes(
@@ -355,7 +361,9 @@ def exchange_between_processes(
     client = distributed.global_state.client
     if client is None:
         return None
+    global _exchanges_made
     n, me = next(_EXCHANGES), jax.process_index()
+    _exchanges_made = n + 1
     client.key_value_set_bytes(f"zbjax/exchange/{n}/{me}", data)
     if not wait:
         return None

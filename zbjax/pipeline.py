@@ -69,6 +69,7 @@ from zbjax._jax_compat import (
     closes_over_tracers,
     context_mesh_devices,
     exchange_between_processes,
+    exchanges_made,
     in_host_memory,
     no_mesh_context,
     tracing_config,
@@ -216,6 +217,42 @@ def _flag(name: str, value: Any, allow_none: bool = False) -> Any:
 
 def _shapes_text(avals: Any) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+
+
+def _agreeing(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a Pipeline method whose eager calls check with the other processes first
+    (``_agree_on_call``): where it fails on this process before that exchange (an input it
+    refuses), the others, waiting there, are told (``_post_failure``) and raise too, and
+    every process's exchanges stay in step. (``stage`` checks only given a batch.)"""
+
+    @functools.wraps(method)
+    def call(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+        if not self._several:
+            return method(self, *args, **kwargs)
+        before = exchanges_made()
+        try:
+            return method(self, *args, **kwargs)
+        except _PeerFailed:
+            raise
+        except Exception as err:
+            checks = method.__name__ != "stage" or _argument(method, args, kwargs, "batch")
+            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+            if checks and not traced and exchanges_made() == before:
+                _post_failure(err)
+            raise
+
+    return call
+
+
+def _argument(method: Callable[..., Any], args: tuple, kwargs: dict, name: str) -> Any:
+    """Returns the value a call of ``method(self, *args, **kwargs)`` binds to ``name``."""
+    import inspect
+
+    try:
+        bound = inspect.signature(method).bind_partial(None, *args, **kwargs)
+    except TypeError:  # arguments the method refused before it ran
+        return None
+    return bound.arguments.get(name)
 
 
 class Pipeline:
@@ -366,6 +403,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ public surface
 
+    @_agreeing
     def value_and_grad(
         self,
         params: Any,
@@ -411,6 +449,7 @@ class Pipeline:
         self._check_permutes(built, built.step, params, batch, key)
         return built.step(params, batch, key)
 
+    @_agreeing
     def value(self, params: Any, batch: Any, key: jax.Array | None = None) -> Any:
         """Returns what ``value_and_grad`` returns first (the mean loss over microbatches, or
         ``(loss, aux)`` with ``has_aux``) running only the forwards: for evaluation.
@@ -466,6 +505,7 @@ class Pipeline:
         step = jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[0])
         return forward, step
 
+    @_agreeing
     def init_buffers(self, params: Any, batch: Any, key: jax.Array | None = None) -> Buffers:
         """Returns new arenas for ``value_and_grad(params, batch, key, buffers=...)``
         with inputs of these shapes (each device's rows on it; ``params`` in either layout)."""
@@ -498,6 +538,7 @@ class Pipeline:
             built.step.lower(params, batch) if key is None else built.step.lower(params, batch, key)
         )
 
+    @_agreeing
     def profile(
         self,
         params: Any,
@@ -789,6 +830,7 @@ class Pipeline:
         comm, comm_message = measure_exchange_costs(built.lowering, repeats)
         return dataclasses.replace(costs, comm=comm, comm_message=comm_message)
 
+    @_agreeing
     def stage(self, params: Any, batch: Any = None, key: jax.Array | None = None) -> StagedParams:
         """Returns ``params`` in the staged layout: row ``d`` of each dtype on device ``d``.
 
@@ -812,21 +854,25 @@ class Pipeline:
             return jax.tree.map(
                 lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding), shapes
             )
-        if any(_spread(x) for x in leaves):
+        if self._several or any(_spread(x) for x in leaves):
+            # Leaves this process holds whole but not as the program takes them (on one
+            # device, another mesh or device order, this process's devices of a mesh over
+            # several) come through the host.
+            leaves = [
+                np.asarray(x)
+                if not _fits_mesh(x, self.mesh) and getattr(x, "is_fully_addressable", False)
+                else x
+                for x in leaves
+            ]
+        if any(_spread(x) for x in leaves) and all(_fits_mesh(x, self.mesh) for x in leaves):
             # Leaves sharded over several devices (a sharded init, a restored checkpoint,
             # global arrays over several processes) are joined by one program. Eagerly, each op
             # on them was a program over their devices: 400 such leaves queued more than
             # XLA:CPU's collectives survive (an abort in 5 of 6 runs), and over several
-            # processes every process must run each.
-            devices = set(self.mesh.devices.flat)
-            everywhere = NamedSharding(self.mesh, PartitionSpec())
-            placed = [
-                jax.device_put(x, everywhere)
-                if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices
-                else x
-                for x in leaves
-            ]
-            return built.stage_program(sharding)(placed)
+            # processes every process must run each. (Those over other processes' devices on
+            # another mesh still join eagerly.)
+            with no_mesh_context():  # a mesh the caller set is not the program's
+                return built.stage_program(sharding)(leaves)
         staged = stage_leaves(layout, _on_one_device_set(_replicated(leaves, self.mesh)))
         return jax.tree.map(lambda r: jax.device_put(r, sharding), staged)
 
@@ -862,7 +908,8 @@ class Pipeline:
                 # One program, run by every process: sliced eagerly, each slice was a program
                 # over every process's devices, and dozens of them queued at once stalled
                 # XLA:CPU's collectives across processes (benchmarks/multiprocess_unstage.py).
-                leaves = built.unstage_program(staged)
+                with no_mesh_context():
+                    leaves = built.unstage_program(staged)
             return jax.tree_util.tree_unflatten(self._params_treedef, leaves)
         # Eagerly: slice the rows on the host (NumPy reads a sharded row whole). Slicing them
         # on the devices ran one program per leaf (a compile per distinct slice: 20 s for 1000
@@ -906,15 +953,12 @@ class Pipeline:
                 ) from None
             layouts.append(None)
         norm = functools.partial(_global_norm, tuple(layouts))
-        devices = set(self.mesh.devices.flat)
-
-        def eager(x: jax.Array) -> bool:  # traced, or placed where one program cannot take it
-            if isinstance(x, jax.core.Tracer):
-                return True
-            return x.committed and x.sharding.device_set != devices
-
-        arrays = [x for x in jax.tree.leaves(values) if isinstance(x, jax.Array)]
-        if all(layout is None for layout in layouts) or any(eager(x) for x in arrays):
+        arrays = jax.tree.leaves(values)
+        if (
+            all(layout is None for layout in layouts)
+            or any(isinstance(x, jax.core.Tracer) for x in arrays)
+            or not all(_fits_mesh(x, self.mesh) for x in arrays)
+        ):
             return norm(values)
         # Eagerly, staged rows are counted by one program: op by op, each op was a program
         # over the mesh (14 for a small GPT's grads, which over two processes, with a few
@@ -922,7 +966,8 @@ class Pipeline:
         key = tuple(None if layout is None else layout.fingerprint for layout in layouts)
         if key not in self._norm_programs:
             self._norm_programs[key] = jax.jit(norm)
-        return self._norm_programs[key](values)
+        with no_mesh_context():
+            return self._norm_programs[key](values)
 
     def clip_by_global_norm(self, max_norm: float):
         """Returns an optax transformation like ``optax.clip_by_global_norm(max_norm)`` whose
@@ -1407,7 +1452,12 @@ class Pipeline:
             # Measured costs are each process's own timings: planned with, they would give
             # each process another program (a collective mismatch). All plan with process 0's
             # and pack ticks as it does (costs given to process 0 only are used everywhere).
-            self.costs, self.pack_ticks = _from_first_process((self.costs, self.pack_ticks))
+            # What each asked for must agree before any plan is made from process 0's.
+            requested = (self.schedule_name, self.num_microbatches)
+            every = _exchanged((requested, self.costs, self.pack_ticks))
+            if every is not None:
+                _refuse_different([part[0] for part in every])
+                _, self.costs, self.pack_ticks = every[0]
         schedule = self._schedule(graph, programs, parted.placement, kind)
         if several:  # a search given time_limit= stops by each process's clock
             schedule = _from_first_process(schedule)
@@ -1433,10 +1483,8 @@ class Pipeline:
             planned=plan,
         )
         if several:
-            params = (jax.tree.structure(params_avals), jax.tree.leaves(params_avals))
-            requested = (self.schedule_name, self.num_microbatches)
-            layout = (lowering.layout.fingerprint, params)
-            _check_same_program(graph, lowering.schedule, micro, requested, layout)
+            layout = (lowering.layout.fingerprint, _tree_text(params_avals))
+            _check_same_program(graph, lowering.schedule, micro, layout)
         step_fn = self._step_fn(lowering, graph, key_aval is not None, training=True)
         step = jax.jit(lambda params, batch, key=None: step_fn(params, batch, key, None)[:2])
 
@@ -1960,11 +2008,23 @@ def _this_process(x: Any) -> Any:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.is_fully_addressable:
         return x
     if x.sharding.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
+        return x.addressable_data(0)  # on one of this process's devices (PRNG keys too)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _this_process(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     out = np.zeros(x.shape, x.dtype)
     for shard in x.addressable_shards:
         out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def _fits_mesh(x: Any, mesh: Any) -> bool:
+    """Returns whether a program on ``mesh`` takes ``x`` as it is: no array, an uncommitted
+    one, or one laid out on ``mesh`` itself (not another mesh, nor its devices in another
+    order)."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
+        return True
+    return isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
 
 
 def _spread(x: Any) -> bool:
@@ -2182,19 +2242,15 @@ def _agree_on_call(params: Any, batch: Any, key: Any) -> None:
     differs only from the second step on (another batch shape) would build anew while the
     others run the step they built, and wait in its exchanges."""
 
-    def spec(x: Any) -> str:
-        return f"{getattr(x, 'dtype', type(x).__name__)}{list(np.shape(x))}"
-
     try:
         staged = isinstance(params, StagedParams)
         text = repr(
             (
-                ("staged rows", params.layout, [spec(r) for r in params.rows])
+                ("staged rows", params.layout, _tree_text(params.rows))
                 if staged
-                else (jax.tree.structure(params), [spec(x) for x in jax.tree.leaves(params)]),
-                jax.tree.structure(batch),
-                [spec(x) for x in jax.tree.leaves(batch)],
-                None if key is None else spec(key),
+                else _tree_text(params),
+                _tree_text(batch),
+                None if key is None else _tree_text(key),
             )
         )
     except Exception as err:
@@ -2212,23 +2268,35 @@ def _agree_on_call(params: Any, batch: Any, key: Any) -> None:
         )
 
 
+def _tree_text(tree: Any) -> list[tuple[str, str]]:
+    """Returns each leaf of ``tree`` as (its key path, dtype and shape): the same in every
+    process for alike trees (a treedef's repr may hold a static field's memory address)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+        (jax.tree_util.keystr(path), f"{getattr(x, 'dtype', type(x).__name__)}{list(np.shape(x))}")
+        for path, x in leaves
+    ]
+
+
 def _from_first_process(value: Any) -> Any:
     """Returns process 0's ``value`` (a picklable plan: costs, a schedule) in every process."""
     every = _exchanged(value)
     return value if every is None else every[0]
 
 
-def _check_same_program(
-    graph: StageGraph, schedule: Schedule, micro: Any, requested: Any, layout: Any
-) -> None:
+def _check_same_program(graph: StageGraph, schedule: Schedule, micro: Any, layout: Any) -> None:
     """Raises PipelineError in every process when the processes built different pipelines
-    (another model, params tree, schedule, microbatch count or batch shape): their step
-    programs would not match, and the first exchange would fail inside the collectives or
-    hang. ``requested`` is what each process asked for (the schedule it runs is process 0's);
-    ``layout`` its staged layout (the params' leaves, shapes and dtypes)."""
-    text = repr((stage_summary(graph), schedule, jax.tree.leaves(micro), requested, layout))
-    every = _exchanged(hashlib.sha256(text.encode()).digest())
-    differ = [i for i, digest in enumerate(every or ()) if digest != every[0]]
+    (another model, params tree, stage count or batch shape): their step programs would not
+    match, and the first exchange would fail inside the collectives or hang. ``layout`` is
+    the staged layout's fingerprint and the params' leaves (paths, shapes and dtypes)."""
+    text = repr((stage_summary(graph), schedule, jax.tree.leaves(micro), layout))
+    _refuse_different(_exchanged(hashlib.sha256(text.encode()).digest()))
+
+
+def _refuse_different(every: list[Any] | None) -> None:
+    """Raises PipelineError when another process's part of an exchange differs from process
+    0's (what each asked for, or a digest of what each built)."""
+    differ = [i for i, part in enumerate(every or ()) if part != every[0]]
     if differ:
         raise PipelineError(
             f"the processes built different pipelines (process{'es' if len(differ) > 1 else ''} "
