@@ -2256,16 +2256,13 @@ def _agree_on_call(params: Any, batch: Any, key: Any) -> None:
     except Exception as err:
         _post_failure(err)
         raise
-    every = _exchanged(hashlib.sha256(text.encode()).digest())
-    differ = [i for i, digest in enumerate(every or ()) if digest != every[0]]
-    if differ:
-        raise PipelineError(
-            f"the processes called this pipeline with different inputs (process"
-            f"{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))} not as process 0: "
-            "another params tree, staged or not, or another batch tree, shape or dtype, or a "
-            "key where another has none); every process must pass inputs of the same trees "
-            "and shapes at every call"
-        )
+    _refuse_different(
+        _exchanged(hashlib.sha256(text.encode()).digest()),
+        "called this pipeline with different inputs",
+        "another params tree, staged or not, or another batch tree, shape or dtype, or a key "
+        "where another has none",
+        "every process must pass inputs of the same trees and shapes at every call",
+    )
 
 
 def _tree_text(tree: Any) -> list[tuple[str, str]]:
@@ -2293,17 +2290,21 @@ def _check_same_program(graph: StageGraph, schedule: Schedule, micro: Any, layou
     _refuse_different(_exchanged(hashlib.sha256(text.encode()).digest()))
 
 
-def _refuse_different(every: list[Any] | None) -> None:
+def _refuse_different(
+    every: list[Any] | None,
+    did: str = "built different pipelines",
+    differences: str = "another model, params tree, schedule, stage count, microbatch count "
+    "or batch shape",
+    fix: str = "every process must call zbjax.pipeline with the same arguments and pass params "
+    "and batches of the same trees and shapes",
+) -> None:
     """Raises PipelineError when another process's part of an exchange differs from process
-    0's (what each asked for, or a digest of what each built)."""
+    0's (what each asked for, a digest of what each built or was called with)."""
     differ = [i for i, part in enumerate(every or ()) if part != every[0]]
     if differ:
         raise PipelineError(
-            f"the processes built different pipelines (process{'es' if len(differ) > 1 else ''} "
-            f"{', '.join(map(str, differ))} not as process 0: another model, params tree, "
-            "schedule, stage count, microbatch count or batch shape); every process must call "
-            "zbjax.pipeline with the same arguments and pass params and batches of the same "
-            "trees and shapes"
+            f"the processes {did} (process{'es' if len(differ) > 1 else ''} "
+            f"{', '.join(map(str, differ))} not as process 0: {differences}); {fix}"
         )
 
 
