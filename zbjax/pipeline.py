@@ -236,8 +236,7 @@ def _agreeing(method: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as err:
             checks = method.__name__ != "stage" or _argument(method, args, kwargs, "batch")
-            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
-            if checks and not traced and exchanges_made() == before:
+            if checks and not _traced((args, kwargs)) and exchanges_made() == before:
                 _post_failure(err)
             raise
 
@@ -956,7 +955,7 @@ class Pipeline:
         arrays = jax.tree.leaves(values)
         if (
             all(layout is None for layout in layouts)
-            or any(isinstance(x, jax.core.Tracer) for x in arrays)
+            or _traced(arrays)
             or not all(_fits_mesh(x, self.mesh) for x in arrays)
         ):
             return norm(values)
@@ -1234,13 +1233,7 @@ class Pipeline:
         build and leaves the staged layout as it is. Over several processes an eager call
         that runs on every device (``agree``) first checks that every process passed alike
         inputs (``_agree_on_call``); one process alone may lower or measure a built step."""
-        if (
-            agree
-            and self._several
-            and not any(
-                isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))
-            )
-        ):
+        if agree and self._several and not _traced((params, batch, key)):
             _agree_on_call(params, batch, key)
         first = self._params_treedef is None
         # The key and batch are checked first: a call refused for them binds the pipeline to
@@ -1410,22 +1403,20 @@ class Pipeline:
         return jax.tree_util.tree_unflatten(jax.tree.structure(stacked), micro)
 
     def _build(self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any) -> _Built:
-        if not self._several:
-            return self._build_here(params_avals, micro, key_aval, batch_avals, False)
         try:
-            return self._build_here(params_avals, micro, key_aval, batch_avals, True)
+            return self._build_here(params_avals, micro, key_aval, batch_avals)
         except _PeerFailed:
             raise
         except Exception as err:
-            # The other processes wait at this build's next exchange: they raise there now.
-            _post_failure(err)
+            if self._several:
+                # The other processes wait at this build's next exchange: they raise there now.
+                _post_failure(err)
             raise
 
-    def _build_here(
-        self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any, several: bool
-    ) -> _Built:
-        """Builds the step; ``several``: the mesh spans processes, which agree on the plan and
-        check that they built the same program (``_exchanged``)."""
+    def _build_here(self, params_avals: Any, micro: Any, key_aval: Any, batch_avals: Any) -> _Built:
+        """Builds the step; where the mesh spans processes, they agree on the plan and check
+        that they built the same program (``_exchanged``)."""
+        several = self._several
         tensor = None
         if self.param_specs is not None:  # checked against the params even if none is split
             axis = self.tensor_axis
@@ -2242,20 +2233,16 @@ def _agree_on_call(params: Any, batch: Any, key: Any) -> None:
     differs only from the second step on (another batch shape) would build anew while the
     others run the step they built, and wait in its exchanges."""
 
-    try:
-        staged = isinstance(params, StagedParams)
-        text = repr(
-            (
-                ("staged rows", params.layout, _tree_text(params.rows))
-                if staged
-                else _tree_text(params),
-                _tree_text(batch),
-                None if key is None else _tree_text(key),
-            )
+    # (A failure here, before the exchange, is posted by the calling method's _agreeing.)
+    text = repr(
+        (
+            ("staged rows", params.layout, _tree_text(params.rows))
+            if isinstance(params, StagedParams)
+            else _tree_text(params),
+            _tree_text(batch),
+            None if key is None else _tree_text(key),
         )
-    except Exception as err:
-        _post_failure(err)
-        raise
+    )
     _refuse_different(
         _exchanged(hashlib.sha256(text.encode()).digest()),
         "called this pipeline with different inputs",
